@@ -1,0 +1,316 @@
+"""Resolving a deploy config against a model family's built-in topology into a validated pipeline config.
+
+The result, :class:`PipelineConfig`, is what the engine builds from and what the run store snapshots:
+every stage with its kind, sources, outputs, engine args and default sampling parameters spelled out.
+Its :meth:`PipelineConfig.config_hash` identifies the configuration in fingerprints and history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.config.deploy import (
+    ENGINE_ARG_KEYS,
+    SAMPLING_PARAMS_BY_KIND,
+    TOPOLOGY_KEYS,
+    DeployConfig,
+    StageConfig,
+)
+from engine.config.errors import ConfigProblem, DeployConfigError
+from engine.config.loader import problems_from_validation_error
+from engine.modality import (
+    ModalityError,
+    OutputModality,
+    format_output_modalities,
+    parse_output_modalities,
+)
+
+# What each stage kind can produce; a configured engine_output_type must stay within it.
+PRODUCIBLE_BY_KIND: dict[str, tuple[OutputModality, ...]] = {
+    "ar": (OutputModality.TOKEN_IDS, OutputModality.TEXT),
+    "diffusion": (OutputModality.IMAGE, OutputModality.LATENT),
+}
+
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {
+    "max_num_seqs": 1,
+    "gpu_memory_utilization": 0.9,
+    "enforce_eager": True,
+    "trust_remote_code": False,
+    "enable_prefix_caching": False,
+    "max_num_batched_tokens": None,
+    "max_model_len": None,
+    "devices": "auto",
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "kv_cache_memory_bytes": None,
+    "dtype": "auto",
+}
+
+
+@dataclass(frozen=True)
+class StageTemplate:
+    """A stage of a built-in topology: the defaults a deploy file may override."""
+
+    stage_id: int
+    kind: str
+    input_sources: tuple[int, ...]
+    engine_output_type: str
+    final_output: bool
+    final_output_type: str | None = None
+    input_processor: str | None = None
+    backend: str = "auto"
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    """A stage with nothing left to defaults."""
+
+    stage_id: int
+    kind: str
+    input_sources: tuple[int, ...]
+    engine_output_type: str
+    final_output: bool
+    final_output_type: str | None
+    input_processor: str | None
+    backend: str
+    engine_args: dict[str, Any]
+    default_sampling_params: dict[str, Any]
+
+    @property
+    def output_modalities(self) -> tuple[OutputModality, ...]:
+        return parse_output_modalities(self.engine_output_type)
+
+    @property
+    def final_modalities(self) -> tuple[OutputModality, ...]:
+        return parse_output_modalities(self.final_output_type or self.engine_output_type)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["input_sources"] = list(self.input_sources)
+        return data
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A validated pipeline: model family, model identity and resolved stages."""
+
+    family: str
+    model_name: str
+    model_identity: str  # stable across machines: built-in recipe version or a hash of the model's configs
+    async_chunk: bool
+    stages: tuple[ResolvedStage, ...]
+
+    def stage(self, stage_id: int) -> ResolvedStage:
+        for stage in self.stages:
+            if stage.stage_id == stage_id:
+                return stage
+        raise KeyError(stage_id)
+
+    @property
+    def entry_stages(self) -> tuple[ResolvedStage, ...]:
+        return tuple(s for s in self.stages if not s.input_sources)
+
+    @property
+    def final_stages(self) -> tuple[ResolvedStage, ...]:
+        return tuple(s for s in self.stages if s.final_output)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "model": {"name": self.model_name, "identity": self.model_identity},
+            "async_chunk": self.async_chunk,
+            "stages": [s.to_dict() for s in self.stages],
+        }
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of the resolved pipeline (models, stages, engine args)."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    @property
+    def hash8(self) -> str:
+        return self.config_hash()[:8]
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return max(int(s.engine_args.get("tensor_parallel_size") or 1) for s in self.stages)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return max(int(s.engine_args.get("pipeline_parallel_size") or 1) for s in self.stages)
+
+
+def _merge_stage(
+    template: StageTemplate | None, stage: StageConfig | None, problems: list[ConfigProblem]
+) -> ResolvedStage | None:
+    sid = stage.stage_id if stage is not None else template.stage_id  # type: ignore[union-attr]
+    overrides = stage.model_dump(exclude_unset=True) if stage is not None else {}
+    if template is None and overrides.get("kind") is None:
+        problems.append(
+            ConfigProblem(sid, "kind", "stage is not in the built-in topology, so it must set kind: ar or diffusion")
+        )
+        return None
+    if template is not None and overrides.get("kind") not in (None, template.kind):
+        problems.append(
+            ConfigProblem(
+                sid,
+                "kind",
+                f"this model's stage {sid} is {template.kind!r}, not {overrides['kind']!r}; "
+                f"allowed value: {template.kind!r}",
+            )
+        )
+        return None
+    kind = overrides.get("kind") or template.kind  # type: ignore[union-attr]
+
+    def pick(key: str, default: Any) -> Any:
+        return overrides[key] if key in overrides else default
+
+    base_topology = {k: getattr(template, k) for k in TOPOLOGY_KEYS} if template else {}
+    input_sources = pick("input_sources", base_topology.get("input_sources", ()))
+    engine_output_type = pick("engine_output_type", base_topology.get("engine_output_type"))
+    final_output = pick("final_output", base_topology.get("final_output", False))
+    final_output_type = pick("final_output_type", base_topology.get("final_output_type"))
+    input_processor = pick("input_processor", base_topology.get("input_processor"))
+    backend = pick("backend", base_topology.get("backend", "auto"))
+
+    engine_args = dict(DEFAULT_ENGINE_ARGS)
+    if template:
+        engine_args.update(template.engine_args)
+    engine_args.update({k: overrides[k] for k in ENGINE_ARG_KEYS if k in overrides})
+
+    sampling = dict(template.default_sampling_params) if template else {}
+    sampling.update(overrides.get("default_sampling_params") or {})
+    model = SAMPLING_PARAMS_BY_KIND[kind]
+    try:
+        model.model_validate(sampling)
+    except ValidationError as exc:
+        problems += problems_from_validation_error(exc, model, sid, prefix="default_sampling_params.")
+
+    for key, value in (("engine_output_type", engine_output_type), ("final_output_type", final_output_type)):
+        if value is None and key == "final_output_type":
+            continue
+        try:
+            modalities = parse_output_modalities(value)
+        except ModalityError as exc:
+            problems.append(ConfigProblem(sid, key, str(exc)))
+            continue
+        producible = PRODUCIBLE_BY_KIND[kind]
+        unsupported = [m for m in modalities if m not in producible]
+        if unsupported:
+            problems.append(
+                ConfigProblem(
+                    sid,
+                    key,
+                    f"a {kind} stage cannot produce {format_output_modalities(tuple(unsupported))}; "
+                    f"allowed: {', '.join(m.value for m in producible)} (or a '+' combination)",
+                )
+            )
+    if backend != "auto" and kind != "ar":
+        problems.append(
+            ConfigProblem(sid, "backend", f"backend applies to ar stages only; a {kind} stage always uses diffusers")
+        )
+    if input_processor is not None and kind != "diffusion":
+        problems.append(ConfigProblem(sid, "input_processor", "ar2diffusion feeds a diffusion stage; remove it here"))
+
+    return ResolvedStage(
+        stage_id=sid,
+        kind=kind,
+        input_sources=tuple(input_sources or ()),
+        engine_output_type=engine_output_type if engine_output_type is not None else "text",
+        final_output=bool(final_output),
+        final_output_type=final_output_type,
+        input_processor=input_processor,
+        backend=backend,
+        engine_args=engine_args,
+        default_sampling_params=sampling,
+    )
+
+
+def _check_graph(stages: list[ResolvedStage], problems: list[ConfigProblem]) -> None:
+    ids = {s.stage_id for s in stages}
+    for stage in stages:
+        for source in stage.input_sources:
+            if source == stage.stage_id:
+                problems.append(ConfigProblem(stage.stage_id, "input_sources", "a stage cannot take its own output"))
+            elif source not in ids:
+                problems.append(
+                    ConfigProblem(
+                        stage.stage_id,
+                        "input_sources",
+                        f"input source {source} is not a stage; stages are {sorted(ids)}",
+                    )
+                )
+    if stages and not any(not s.input_sources for s in stages):
+        problems.append(ConfigProblem(None, "stages", "no entry stage: every stage has input_sources"))
+    if stages and not any(s.final_output for s in stages):
+        problems.append(ConfigProblem(None, "stages", "no terminal stage: no stage has final_output: true"))
+    # Cycles (beyond self-loops) would never finish a request.
+    graph = {s.stage_id: [src for src in s.input_sources if src in ids and src != s.stage_id] for s in stages}
+    state: dict[int, int] = {}
+
+    def visit(node: int) -> bool:
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1 or (state.get(nxt) is None and visit(nxt)):
+                return True
+        state[node] = 2
+        return False
+
+    for node in graph:
+        if state.get(node) is None and visit(node):
+            problems.append(ConfigProblem(None, "stages", "input_sources form a cycle"))
+            break
+
+
+def resolve_pipeline_config(
+    deploy: DeployConfig | None,
+    family: str,
+    templates: tuple[StageTemplate, ...],
+    model_name: str,
+    model_identity: str,
+    source: str | None = None,
+) -> PipelineConfig:
+    """Merge ``deploy`` over the family's built-in ``templates`` and validate the result.
+
+    Raises :class:`DeployConfigError` listing every problem found.
+    """
+    problems: list[ConfigProblem] = []
+    deploy = deploy or DeployConfig()
+    stages_given = "stages" in deploy.model_fields_set
+    if stages_given and not deploy.stages:
+        raise DeployConfigError([ConfigProblem(None, "stages", "no stages: the list is empty")], source)
+
+    seen: dict[int, StageConfig] = {}
+    for stage in deploy.stages:
+        if stage.stage_id in seen:
+            problems.append(ConfigProblem(stage.stage_id, "stage_id", f"duplicate stage id {stage.stage_id}"))
+            continue
+        seen[stage.stage_id] = stage
+
+    by_id = {t.stage_id: t for t in templates}
+    resolved: list[ResolvedStage] = []
+    for sid in sorted(set(by_id) | set(seen)):
+        merged = _merge_stage(by_id.get(sid), seen.get(sid), problems)
+        if merged is not None:
+            resolved.append(merged)
+    if not resolved and not problems:
+        problems.append(ConfigProblem(None, "stages", "no stages"))
+    _check_graph(resolved, problems)
+    if problems:
+        raise DeployConfigError(problems, source)
+    return PipelineConfig(
+        family=family,
+        model_name=model_name,
+        model_identity=model_identity,
+        async_chunk=bool(deploy.async_chunk),
+        stages=tuple(resolved),
+    )

@@ -1,0 +1,566 @@
+"""The orchestrator: builds stage runners from a validated pipeline config and runs requests through them.
+
+Each stage has one worker thread that takes queued jobs, batches compatible ones (up to the stage's
+``max_num_seqs``) and runs them; a finished job's outputs pass through the next stage's input processor
+and are queued there, so different requests occupy different stages at once. Everything a request does
+is reported as events (:mod:`engine.events`) to the sink given at submission; :meth:`OmniEngine.generate`
+turns that into an async iterator and :meth:`OmniEngine.stream` into a blocking one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import (
+    ConfigProblem,
+    DeployConfig,
+    DeployConfigError,
+    PipelineConfig,
+    ResolvedStage,
+    load_deploy_config,
+    load_deploy_file,
+    resolve_pipeline_config,
+)
+from engine.events import (
+    TERMINAL_EVENTS,
+    EngineEvent,
+    RunFailed,
+    RunFinished,
+    RunOutput,
+    StageFinished,
+    StageStarted,
+)
+from engine.modality import OutputAccumulator, OutputModality, parse_output_modalities
+from engine.models import ModelSource, describe_model, materialize
+from engine.paths import default_data_dir, model_cache_dir
+from engine.processors import INPUT_PROCESSORS
+from engine.request import GenerationRequest, ResolvedRequest
+from engine.stages.base import StageCancelled, StageJob, StageRunner
+
+EventSink = Callable[[EngineEvent], None]
+
+
+class EngineBuildError(RuntimeError):
+    """The engine could not start; stages that had started were shut down."""
+
+
+class EngineBusy(RuntimeError):
+    """Too many requests in flight (the API answers 429)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was shut down."""
+
+
+# -- building -------------------------------------------------------------------------------------
+
+
+def resolve_device(devices: str) -> torch.device:
+    """``auto`` -> GPU 0 if present else CPU; ``cpu``; ``'0'``/``'0,1'`` -> the first listed GPU."""
+    if devices in (None, "auto"):
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if devices == "cpu":
+        return torch.device("cpu")
+    return torch.device(f"cuda:{int(str(devices).split(',')[0])}")
+
+
+def device_problems(config: PipelineConfig) -> list[ConfigProblem]:
+    """Stages placed on GPUs this machine does not have."""
+    problems = []
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for stage in config.stages:
+        devices = str(stage.engine_args.get("devices") or "auto")
+        if devices in ("auto", "cpu"):
+            continue
+        wanted = [int(d) for d in devices.split(",")]
+        missing = [d for d in wanted if d >= available]
+        if missing:
+            have = "no GPU" if available == 0 else f"{available} GPU(s) (0-{available - 1})"
+            hint = "devices: cpu (or auto)" if available == 0 else f"devices: '0' .. '{available - 1}', cpu or auto"
+            problems.append(
+                ConfigProblem(
+                    stage.stage_id,
+                    "devices",
+                    f"devices {devices!r} names GPU {', '.join(map(str, missing))} but this machine has {have}; "
+                    f"use {hint}",
+                )
+            )
+    return problems
+
+
+def build_pipeline_config(
+    source: ModelSource,
+    deploy: DeployConfig | dict | str | Path | None = None,
+    ar_backend: str | None = None,
+) -> PipelineConfig:
+    """Validate ``deploy`` (a model, a parsed YAML mapping or a path) against ``source``'s family."""
+    label = None
+    if deploy is None and source.default_deploy_path is not None:
+        deploy = source.default_deploy_path
+    if isinstance(deploy, (str, Path)):
+        label = str(deploy)
+        deploy = load_deploy_file(deploy)
+    elif isinstance(deploy, dict):
+        deploy = load_deploy_config(deploy)
+    config = resolve_pipeline_config(
+        deploy, source.family.name, source.family.templates, source.name, source.identity, source=label
+    )
+    if ar_backend and ar_backend != "auto":
+        config = with_ar_backend(config, ar_backend)
+    return config
+
+
+def with_ar_backend(config: PipelineConfig, backend: str) -> PipelineConfig:
+    """``--ar-backend``: override the backend of every AR stage."""
+    stages = tuple(replace(s, backend=backend) if s.kind == "ar" else s for s in config.stages)
+    return replace(config, stages=stages)
+
+
+# -- bookkeeping per request ----------------------------------------------------------------------
+
+
+@dataclass
+class _Variant:
+    """One of a request's ``n`` outputs flowing through the stages."""
+
+    index: int
+    seed: int
+    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    jobs: dict[int, StageJob] = field(default_factory=dict)
+    done: bool = False
+
+
+@dataclass
+class _Ticket:
+    """A queued job with what the engine needs to route its result."""
+
+    job: StageJob
+    handle: RequestHandle
+    variant: _Variant
+    stage: ResolvedStage
+    enqueued_at: float
+
+
+class RequestHandle:
+    """A submitted request: cancel it, or wait for its terminal event."""
+
+    def __init__(self, resolved: ResolvedRequest, sink: EventSink) -> None:
+        self.resolved = resolved
+        self.sink = sink
+        self.cancel_event = threading.Event()
+        self.variants = [_Variant(i, resolved.seed + i) for i in range(resolved.n)]
+        self.terminal: EngineEvent | None = None
+        self.submitted_at = time.time()
+
+    @property
+    def request_id(self) -> str:
+        return self.resolved.request_id
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    def emit(self, event: EngineEvent) -> None:
+        try:
+            self.sink(event)
+        except RuntimeError:  # the consumer's event loop is gone (client disconnected, loop closed)
+            pass
+
+
+# -- stage workers --------------------------------------------------------------------------------
+
+
+class _StageWorker:
+    """The single thread that runs one stage's jobs, batching compatible ones."""
+
+    def __init__(self, runner: StageRunner, engine: OmniEngine) -> None:
+        self.runner = runner
+        self.engine = engine
+        self.queue: list[_Ticket] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.busy = False
+        self.thread = threading.Thread(target=self._loop, name=f"omni-stage-{runner.stage_id}", daemon=True)
+        self.thread.start()
+
+    def submit(self, ticket: _Ticket) -> None:
+        with self.cond:
+            self.queue.append(ticket)
+            self.cond.notify()
+
+    @property
+    def depth(self) -> int:
+        return len(self.queue)
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+    def _take_batch(self) -> list[_Ticket] | None:
+        with self.cond:
+            while not self.queue and not self.stopping:
+                self.cond.wait()
+            if self.stopping:
+                return None
+            first = self.queue.pop(0)
+            batch = [first]
+            key = self.runner.batch_key(first.job)
+            for ticket in list(self.queue):
+                if len(batch) >= self.runner.max_batch_size:
+                    break
+                if self.runner.batch_key(ticket.job) == key:
+                    self.queue.remove(ticket)
+                    batch.append(ticket)
+            self.busy = True
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take_batch()
+            if batch is None:
+                return
+            try:
+                self._run(batch)
+            finally:
+                self.busy = False
+
+    def _run(self, batch: list[_Ticket]) -> None:
+        live = []
+        for ticket in batch:
+            if ticket.job.cancelled:
+                self.engine._job_done(ticket, "cancelled", None, time.time(), time.time(), 1)
+            else:
+                live.append(ticket)
+        if not live:
+            return
+        started = time.time()
+        for ticket in live:
+            self.engine._job_started(ticket, started)
+        status, error = "succeeded", None
+        try:
+            self.runner.run([t.job for t in live])
+        except StageCancelled:
+            status = "cancelled"
+        except Exception as exc:  # a failing stage fails its requests, never the engine
+            status, error = "failed", exc
+        finished = time.time()
+        for ticket in live:
+            ticket_status = "cancelled" if status == "succeeded" and ticket.job.cancelled else status
+            self.engine._job_done(ticket, ticket_status, error, started, finished, len(live))
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+
+class OmniEngine:
+    """A running multi-stage pipeline."""
+
+    def __init__(
+        self, config: PipelineConfig, model: ModelSource, runners: dict[int, StageRunner], max_pending: int = 64
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.family = model.family
+        self.runners = runners
+        self.max_pending = max_pending
+        self._lock = threading.RLock()
+        self._handles: dict[str, RequestHandle] = {}
+        self._closed = False
+        self._modalities = {s.stage_id: parse_output_modalities(s.engine_output_type) for s in config.stages}
+        self.workers = {sid: _StageWorker(runner, self) for sid, runner in runners.items()}
+        self.started_at = time.time()
+
+    # construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        config: PipelineConfig,
+        model: ModelSource,
+        *,
+        max_pending: int = 64,
+        check_devices: bool = True,
+    ) -> OmniEngine:
+        """Load every stage in order. A failure shuts down the stages already started."""
+        if check_devices:
+            problems = device_problems(config)
+            if problems:
+                raise DeployConfigError(problems)
+        if model.path is None:
+            raise EngineBuildError(f"model {model.name} has no files yet; call engine.models.materialize first")
+        runners: dict[int, StageRunner] = {}
+        try:
+            for stage in config.stages:
+                device = resolve_device(str(stage.engine_args.get("devices") or "auto"))
+                # Output names are parsed here too (not only in validation): a config built in code
+                # bypasses the loader, and an invalid name must fail before any request is accepted.
+                parse_output_modalities(stage.engine_output_type)
+                runner = model.family.create_runner(stage, model.path, device)
+                runners[stage.stage_id] = runner
+                runner.load()
+        except Exception as exc:
+            for runner in runners.values():
+                runner.close()
+            raise EngineBuildError(f"stage {stage.stage_id} ({stage.kind}) failed to start: {exc}") from exc
+        return cls(config, model, runners, max_pending=max_pending)
+
+    # requests ---------------------------------------------------------------------------------
+
+    @property
+    def config_hash(self) -> str:
+        return self.config.config_hash()
+
+    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
+        """Check a request and decide its parameters (raises :class:`engine.request.RequestError`)."""
+        return self.family.resolve_request(request, self.config)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._handles)
+
+    def queue_depths(self) -> dict[int, int]:
+        return {sid: w.depth + (1 if w.busy else 0) for sid, w in self.workers.items()}
+
+    def submit(self, resolved: ResolvedRequest, sink: EventSink) -> RequestHandle:
+        """Queue a request; its events go to ``sink`` (called from engine threads)."""
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine has been shut down")
+            if len(self._handles) >= self.max_pending:
+                raise EngineBusy(f"{len(self._handles)} requests in flight (limit {self.max_pending})")
+            handle = RequestHandle(resolved, sink)
+            self._handles[handle.request_id] = handle
+            for variant in handle.variants:
+                for stage in self.config.entry_stages:
+                    self._enqueue(handle, variant, stage)
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        handle = self._handles.get(request_id)
+        if handle is None:
+            return False
+        handle.cancel()
+        return True
+
+    async def generate(self, resolved: ResolvedRequest) -> AsyncIterator[EngineEvent]:
+        """Run a request, yielding its events; closing the iterator early cancels the request."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        handle = self.submit(resolved, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, TERMINAL_EVENTS):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                handle.cancel()
+
+    def stream(self, resolved: ResolvedRequest) -> Iterator[EngineEvent]:
+        """Blocking counterpart of :meth:`generate` (for the CLI and scripts)."""
+        events: queue.Queue[EngineEvent] = queue.Queue()
+        handle = self.submit(resolved, events.put)
+        finished = False
+        try:
+            while True:
+                event = events.get()
+                yield event
+                if isinstance(event, TERMINAL_EVENTS):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                handle.cancel()
+
+    def run(self, request: GenerationRequest) -> RunFinished:
+        """Run a request to the end; raises ``RuntimeError`` with the engine's message if it fails."""
+        for event in self.stream(self.resolve(request)):
+            if isinstance(event, RunFinished):
+                return event
+            if isinstance(event, RunFailed):
+                raise RuntimeError(event.message)
+        raise RuntimeError("the request ended without a result")  # pragma: no cover
+
+    # routing (called from worker threads) -------------------------------------------------------
+
+    def _stage_params(self, handle: RequestHandle, variant: _Variant, stage: ResolvedStage) -> dict[str, Any]:
+        params = dict(handle.resolved.stage_params[stage.stage_id])
+        params["seed"] = variant.seed
+        return params
+
+    def _enqueue(self, handle: RequestHandle, variant: _Variant, stage: ResolvedStage) -> None:
+        request = handle.resolved.request
+        params = self._stage_params(handle, variant, stage)
+        inputs: dict[str, Any] = {"prompt": request.prompt, "messages": request.messages, "image": request.image}
+        if stage.input_sources:
+            upstream: dict[str, Any] = {}
+            for source in stage.input_sources:
+                upstream.update(variant.outputs[source])
+            if stage.input_processor:
+                inputs.update(INPUT_PROCESSORS[stage.input_processor](upstream, params))
+            else:
+                inputs.update(upstream)
+        job = StageJob(
+            request_id=handle.request_id,
+            index=variant.index,
+            inputs=inputs,
+            params=params,
+            emit=handle.emit,
+            accumulator=OutputAccumulator(self._modalities[stage.stage_id]),
+            cancel_event=handle.cancel_event,
+        )
+        variant.jobs[stage.stage_id] = job
+        self.workers[stage.stage_id].submit(_Ticket(job, handle, variant, stage, time.time()))
+
+    def _job_started(self, ticket: _Ticket, started: float) -> None:
+        stage, job = ticket.stage, ticket.job
+        total = int(job.params.get("max_tokens") or 0) if stage.kind == "ar" else int(
+            job.params.get("num_inference_steps") or 0
+        )
+        job.scratch["queue_seconds"] = started - ticket.enqueued_at
+        job.emit(StageStarted(job.request_id, job.index, stage.stage_id, kind=stage.kind, total=total))
+
+    def _job_done(
+        self,
+        ticket: _Ticket,
+        status: str,
+        error: Exception | None,
+        started: float,
+        finished: float,
+        batch_size: int,
+    ) -> None:
+        handle, variant, stage, job = ticket.handle, ticket.variant, ticket.stage, ticket.job
+        handle.emit(
+            StageFinished(
+                handle.request_id,
+                variant.index,
+                stage.stage_id,
+                kind=stage.kind,
+                status=status,
+                started_at=started,
+                finished_at=finished,
+                queue_seconds=float(job.scratch.get("queue_seconds", max(0.0, started - ticket.enqueued_at))),
+                input_tokens=job.input_tokens,
+                output_tokens=job.output_tokens,
+                batch_size=batch_size,
+            )
+        )
+        with self._lock:
+            if handle.terminal is not None:
+                return
+            if status == "cancelled":
+                self._finish(handle, RunFailed(handle.request_id, variant.index, "the request was cancelled",
+                                               stage.stage_id, "cancelled", True))
+                return
+            if status == "failed":
+                handle.cancel()  # stop the request's other variants
+                message = f"stage {stage.stage_id} ({stage.kind}) failed: {type(error).__name__}: {error}"
+                error_type = "invalid_request" if isinstance(error, ValueError) and hasattr(error, "field") else "engine_error"
+                self._finish(handle, RunFailed(handle.request_id, variant.index, message, stage.stage_id, error_type))
+                return
+            variant.outputs[stage.stage_id] = job.deliver_outputs()
+            try:
+                for downstream in self.config.stages:
+                    if stage.stage_id in downstream.input_sources and all(
+                        src in variant.outputs for src in downstream.input_sources
+                    ):
+                        self._enqueue(handle, variant, downstream)
+            except Exception as exc:  # an input processor rejected the hand-off
+                handle.cancel()
+                message = f"stage {stage.stage_id} -> next stage hand-off failed: {type(exc).__name__}: {exc}"
+                self._finish(handle, RunFailed(handle.request_id, variant.index, message, stage.stage_id))
+                return
+            if all(s.stage_id in variant.outputs for s in self.config.stages):
+                variant.done = True
+            if all(v.done for v in handle.variants):
+                outputs = tuple(self._run_output(handle, v) for v in handle.variants)
+                self._finish(handle, RunFinished(handle.request_id, 0, outputs))
+
+    def _run_output(self, handle: RequestHandle, variant: _Variant) -> RunOutput:
+        wanted = handle.resolved.modalities
+        merged: dict[str, Any] = {}
+        for stage in self.config.final_stages:
+            merged.update(variant.outputs.get(stage.stage_id, {}))
+        text = merged.get("text") if OutputModality.TEXT in wanted else None
+        images = tuple(merged.get("image") or ()) if OutputModality.IMAGE in wanted else ()
+        token_ids = None
+        if OutputModality.TOKEN_IDS in wanted and merged.get("token_ids") is not None:
+            token_ids = tuple(int(i) for i in torch.as_tensor(merged["token_ids"]).reshape(-1).tolist())
+        jobs = variant.jobs.values()
+        last_ar = [j for sid, j in variant.jobs.items() if self.config.stage(sid).final_output]
+        finish_reason = last_ar[-1].finish_reason if last_ar else "stop"
+        return RunOutput(
+            index=variant.index,
+            seed=variant.seed,
+            text=text,
+            images=images,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            input_tokens=sum(j.input_tokens for j in jobs),
+            output_tokens=sum(j.output_tokens for j in jobs),
+        )
+
+    def _finish(self, handle: RequestHandle, event: EngineEvent) -> None:
+        handle.terminal = event
+        self._handles.pop(handle.request_id, None)
+        handle.emit(event)
+
+    # shutdown ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the workers, fail what is still in flight, release the models."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handles = list(self._handles.values())
+        for handle in handles:
+            handle.cancel()
+        for worker in self.workers.values():
+            worker.stop()
+        for worker in self.workers.values():
+            worker.thread.join(timeout=30)
+        with self._lock:
+            for handle in handles:
+                if handle.terminal is None:
+                    self._finish(handle, RunFailed(handle.request_id, 0, "the engine was shut down", None,
+                                                   "engine_error", True))
+        for runner in self.runners.values():
+            runner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> OmniEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_engine(
+    model: str | None = None,
+    deploy_config: DeployConfig | dict | str | Path | None = None,
+    *,
+    data_dir: Path | None = None,
+    ar_backend: str | None = None,
+    max_pending: int = 64,
+) -> OmniEngine:
+    """Resolve ``model``, validate ``deploy_config`` against it, build the model if built in, start."""
+    source = describe_model(model)
+    config = build_pipeline_config(source, deploy_config, ar_backend)  # validation before anything loads
+    source = materialize(source, model_cache_dir(Path(data_dir) if data_dir else default_data_dir()))
+    return OmniEngine.start(config, source, max_pending=max_pending)

@@ -1,0 +1,113 @@
+"""Typed events a run yields, in order: stages start, progress, deltas and previews, outputs or an error.
+
+The UI, the API's SSE stream, the CLI progress bars and the run store all consume these same events.
+``index`` tells which of the ``n`` outputs of a request an event belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    request_id: str
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class StageStarted(EngineEvent):
+    stage_id: int = 0
+    kind: str = ""
+    total: int = 0  # tokens to generate (ar) or denoising steps (diffusion); 0 when unknown
+
+
+@dataclass(frozen=True)
+class TokenProgress(EngineEvent):
+    """AR generation progress: ``step`` tokens of ``total`` generated."""
+
+    stage_id: int = 0
+    step: int = 0
+    total: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta(EngineEvent):
+    """New text from an AR stage that produces text."""
+
+    stage_id: int = 0
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class DiffusionStep(EngineEvent):
+    """One denoising step done; ``preview`` is the decoded current latent when previews were asked for."""
+
+    stage_id: int = 0
+    step: int = 0
+    total: int = 0
+    preview: Image.Image | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class StageFinished(EngineEvent):
+    stage_id: int = 0
+    kind: str = ""
+    status: str = "succeeded"  # succeeded | failed | cancelled
+    started_at: float = 0.0  # time.time() stamps
+    finished_at: float = 0.0
+    queue_seconds: float = 0.0  # waited for the stage after the previous one finished
+    input_tokens: int = 0
+    output_tokens: int = 0
+    batch_size: int = 1
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.finished_at - self.started_at)
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """The outputs of one of the ``n`` variants of a request."""
+
+    index: int
+    seed: int
+    text: str | None = None
+    images: tuple[Image.Image, ...] = ()
+    token_ids: tuple[int, ...] | None = None
+    finish_reason: str = "stop"  # stop | length | cancelled
+    input_tokens: int = 0
+    output_tokens: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunFinished(EngineEvent):
+    """The last event of a successful request: every variant's outputs."""
+
+    outputs: tuple[RunOutput, ...] = ()
+
+    @property
+    def images(self) -> list[Image.Image]:
+        return [image for output in self.outputs for image in output.images]
+
+    @property
+    def text(self) -> str:
+        return "".join(output.text or "" for output in self.outputs)
+
+
+@dataclass(frozen=True)
+class RunFailed(EngineEvent):
+    """The last event of a failed or cancelled request."""
+
+    message: str = ""
+    stage_id: int | None = None
+    error_type: str = "engine_error"  # engine_error | cancelled | invalid_request
+    cancelled: bool = False
+
+
+PROGRESS_EVENTS = (TokenProgress, DiffusionStep)
+TERMINAL_EVENTS = (RunFinished, RunFailed)

@@ -1,0 +1,97 @@
+"""What a caller asks the engine for, and the checked, fully resolved form the engine runs."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from PIL import Image
+
+from engine.modality import OutputModality
+
+MAX_SEED = 2**63 - 1
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run; ``field`` names the offending parameter."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    role: str  # system | user | assistant
+    text: str
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Per-request parameters; ``None`` means "use the stage's default"."""
+
+    seed: int | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    preview_every: int = 0  # decode a preview every k denoising steps (0: none)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A prompt (with optional chat history and source image) and its parameters."""
+
+    prompt: str
+    params: GenerationParams = field(default_factory=GenerationParams)
+    image: Image.Image | None = None
+    history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first; ``prompt`` is the newest user turn
+    modalities: tuple[OutputModality, ...] | None = None  # None: what the pipeline's final stage produces
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def with_params(self, **changes: Any) -> GenerationRequest:
+        return replace(self, params=replace(self.params, **changes))
+
+    @property
+    def messages(self) -> list[ChatTurn]:
+        return [*self.history, ChatTurn("user", self.prompt)]
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A request checked against the running pipeline, with every parameter and the seed decided.
+
+    ``stage_params`` holds, per stage id, the parameters that stage will run with; ``parameters`` is the
+    flat view recorded in history (and enough to re-run the request exactly).
+    """
+
+    request: GenerationRequest
+    seed: int
+    parameters: dict[str, Any]
+    stage_params: dict[int, dict[str, Any]]
+    modalities: tuple[OutputModality, ...]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def n(self) -> int:
+        return self.request.params.n
+
+
+def random_seed() -> int:
+    """A fresh seed for requests that do not give one (recorded, so the run can be repeated)."""
+    return secrets.randbelow(2**31)

@@ -1,0 +1,97 @@
+"""The stage runner interface: load a model, run a batch of jobs in a worker thread, report through events."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ResolvedStage
+from engine.events import EngineEvent
+from engine.modality import OutputAccumulator
+
+
+class StageCancelled(Exception):
+    """Raised inside a runner when every job of its batch was cancelled."""
+
+
+@dataclass
+class StageJob:
+    """One variant of one request at one stage.
+
+    ``inputs`` come from the request (entry stage) or from the input processor; ``params`` are the
+    stage's resolved parameters. The runner fills ``outputs`` (keys per the stage's output modality) and
+    the token counts, and reports progress through ``emit``.
+    """
+
+    request_id: str
+    index: int
+    inputs: dict[str, Any]
+    params: dict[str, Any]
+    emit: Callable[[EngineEvent], None]
+    accumulator: OutputAccumulator
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    scratch: dict[str, Any] = field(default_factory=dict)  # runner-private state between calls
+    input_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str = "stop"
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def add_output(self, payload: dict[str, Any]) -> None:
+        self.accumulator.add(payload)
+
+    def deliver_outputs(self) -> dict[str, Any]:
+        return self.accumulator.deliver()
+
+
+class StageRunner(ABC):
+    """Runs one stage's model. ``run`` is called from the stage's single worker thread."""
+
+    kind: str = ""
+
+    def __init__(self, stage: ResolvedStage, model_path: Path, device: torch.device) -> None:
+        self.stage = stage
+        self.model_path = Path(model_path)
+        self.device = device
+        self.loaded = False
+
+    @property
+    def stage_id(self) -> int:
+        return self.stage.stage_id
+
+    @property
+    def max_batch_size(self) -> int:
+        return int(self.stage.engine_args.get("max_num_seqs") or 1)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        name = self.stage.engine_args.get("dtype") or "auto"
+        return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load weights (called once, at engine start)."""
+
+    def close(self) -> None:
+        """Release the model. Safe to call twice."""
+        self.loaded = False
+
+    def batch_key(self, job: StageJob) -> Hashable:
+        """Jobs with equal keys may run in one batch."""
+        return id(job)
+
+    def total_steps(self, job: StageJob) -> int:
+        """How many progress steps the job will report (0 if unknown)."""
+        return 0
+
+    @abstractmethod
+    def run(self, jobs: list[StageJob]) -> None:
+        """Run ``jobs`` to completion, filling each job's ``outputs``."""
