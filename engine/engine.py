@@ -188,6 +188,7 @@ class _StageWorker:
         self.cond = threading.Condition()
         self.stopping = False
         self.busy = False
+        self.in_flight = 0  # concurrent runners: jobs handed to the runner and not yet done
         self.thread = threading.Thread(target=self._loop, name=f"omni-stage-{runner.stage_id}", daemon=True)
         self.thread.start()
 
@@ -199,6 +200,10 @@ class _StageWorker:
     @property
     def depth(self) -> int:
         return len(self.queue)
+
+    @property
+    def active(self) -> int:
+        return self.in_flight if self.runner.concurrent else (1 if self.busy else 0)
 
     def stop(self) -> None:
         with self.cond:
@@ -224,6 +229,8 @@ class _StageWorker:
             return batch
 
     def _loop(self) -> None:
+        if self.runner.concurrent:
+            return self._concurrent_loop()
         while True:
             batch = self._take_batch()
             if batch is None:
@@ -232,6 +239,40 @@ class _StageWorker:
                 self._run(batch)
             finally:
                 self.busy = False
+
+    def _concurrent_loop(self) -> None:
+        """Hand jobs to a runner with its own scheduler, keeping at most max_num_seqs in flight."""
+        while True:
+            with self.cond:
+                while not self.stopping and (not self.queue or self.in_flight >= self.runner.max_batch_size):
+                    self.cond.wait()
+                if self.stopping:
+                    return
+                ticket = self.queue.pop(0)
+                if ticket.job.cancelled:
+                    cancelled = True
+                else:
+                    cancelled = False
+                    self.in_flight += 1
+            if cancelled:
+                self.engine._job_done(ticket, "cancelled", None, time.time(), time.time(), 1)
+                continue
+            started = time.time()
+            self.engine._job_started(ticket, started)
+
+            def done(status: str, error: Exception | None, ticket: _Ticket = ticket, started: float = started) -> None:
+                with self.cond:
+                    batch_size = self.in_flight
+                    self.in_flight -= 1
+                    self.cond.notify_all()
+                if status == "succeeded" and ticket.job.cancelled:
+                    status = "cancelled"
+                self.engine._job_done(ticket, status, error, started, time.time(), batch_size)
+
+            try:
+                self.runner.submit(ticket.job, done)
+            except Exception as exc:
+                done("failed", exc)
 
     def _run(self, batch: list[_Ticket]) -> None:
         live = []
@@ -328,7 +369,7 @@ class OmniEngine:
         return len(self._handles)
 
     def queue_depths(self) -> dict[int, int]:
-        return {sid: w.depth + (1 if w.busy else 0) for sid, w in self.workers.items()}
+        return {sid: w.depth + w.active for sid, w in self.workers.items()}
 
     def submit(self, resolved: ResolvedRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; its events go to ``sink`` (called from engine threads)."""

@@ -22,7 +22,7 @@ class TextToImageStage(DiffusersStage):
         index = read_json(self.model_path / "model_index.json") or {}
         # Components saved as [null, null] (e.g. SD3 without its T5) must be passed as None explicitly.
         absent = {name: None for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]}
-        return DiffusionPipeline.from_pretrained(self.model_path, torch_dtype=self.torch_dtype, **absent)
+        return DiffusionPipeline.from_pretrained(self.model_path, dtype=self.torch_dtype, **absent)
 
     def call_kwargs(self, jobs: list[StageJob]) -> dict[str, Any]:
         first = jobs[0]

@@ -85,7 +85,7 @@ class GlmImageDiffusionStage(DiffusersStage):
 
     def load_pipeline(self) -> GlmImagePipeline:
         return GlmImagePipeline.from_pretrained(
-            self.model_path, vision_language_encoder=None, processor=None, torch_dtype=self.torch_dtype
+            self.model_path, vision_language_encoder=None, processor=None, dtype=self.torch_dtype
         )
 
     def latents_to_images(self, latents: torch.Tensor) -> list[Image.Image]:

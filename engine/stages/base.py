@@ -52,10 +52,21 @@ class StageJob:
         return self.accumulator.deliver()
 
 
+JobDone = Callable[[str, "Exception | None"], None]  # (status: succeeded|failed|cancelled, error)
+
+
 class StageRunner(ABC):
-    """Runs one stage's model. ``run`` is called from the stage's single worker thread."""
+    """Runs one stage's model.
+
+    Two ways to take work: ``run`` (the default) is called from the stage's single worker thread with a
+    batch of compatible jobs and returns when they are done. A runner with its own scheduler (vLLM's
+    continuous batching) sets ``concurrent = True`` and implements ``submit`` instead: the worker hands it
+    each job as it arrives, up to ``max_num_seqs`` in flight, and the runner calls ``done`` when the job
+    finishes.
+    """
 
     kind: str = ""
+    concurrent: bool = False
 
     def __init__(self, stage: ResolvedStage, model_path: Path, device: torch.device) -> None:
         self.stage = stage
@@ -94,4 +105,8 @@ class StageRunner(ABC):
 
     @abstractmethod
     def run(self, jobs: list[StageJob]) -> None:
-        """Run ``jobs`` to completion, filling each job's ``outputs``."""
+        """Run ``jobs`` to completion, adding each job's outputs."""
+
+    def submit(self, job: StageJob, done: JobDone) -> None:
+        """Start ``job`` without blocking (``concurrent`` runners only); call ``done`` exactly once."""
+        raise NotImplementedError(f"{type(self).__name__} is not a concurrent runner")

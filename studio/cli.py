@@ -1,0 +1,282 @@
+"""``omni-studio``: the studio (UI + API), the API alone, one-off runs, config validation and history."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.config import DeployConfigError, PipelineConfig
+from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
+from studio.runtime import StartupError, quiet_libraries
+
+FINGERPRINT_MODES = ("full", "hash", "custom", "none")
+AR_BACKENDS = ("auto", "vllm", "transformers")
+
+
+class CLIError(Exception):
+    """A user error: printed without a traceback, exit code 2."""
+
+
+def _shared_options() -> argparse.ArgumentParser:
+    shared = argparse.ArgumentParser(add_help=False)
+    g = shared.add_argument_group("model and pipeline")
+    g.add_argument("--model", default=None,
+                   help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {DEFAULT_MODEL}) or a local HF-format folder")
+    g.add_argument("--deploy-config", default=None, metavar="YAML", help="deploy config (stage settings) to apply")
+    g.add_argument("--ar-backend", choices=AR_BACKENDS, default=None,
+                   help="backend of every AR stage (default: each stage's `backend`, else auto)")
+    g.add_argument("--served-model-name", default=None, help="model name the API answers to (default: the model's name)")
+    s = shared.add_argument_group("serving")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=7860)
+    s.add_argument("--share", action="store_true", help="create a public Gradio share link (UI and API)")
+    s.add_argument("--auth", default=None, metavar="USER:PASS", help="protect the UI with a login")
+    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    s.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES, default="full",
+                   help="system_fingerprint in responses: full, hash, custom (needs --fingerprint-value) or none")
+    s.add_argument("--fingerprint-value", default=None, help="the literal fingerprint for --fingerprint-mode custom")
+    d = shared.add_argument_group("storage")
+    d.add_argument("--db", default=None, metavar="URL", help="SQLAlchemy URL of the run store (default: SQLite in the data dir)")
+    d.add_argument("--data-dir", default=None, type=Path, help="where runs, outputs and built models live")
+    return shared
+
+
+def build_parser() -> argparse.ArgumentParser:
+    shared = _shared_options()
+    parser = argparse.ArgumentParser(
+        prog="omni-studio",
+        description="Omni Studio: a web studio, OpenAI-compatible API and run history over a multi-stage "
+        "(AR -> diffusion) engine.",
+        parents=[shared],
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sub.add_parser("ui", parents=[shared], help="the studio: UI and API on one port (the default command)")
+    serve = sub.add_parser("serve", parents=[shared], help="the OpenAI-compatible API only")
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
+
+    run = sub.add_parser("run", parents=[shared], help="one run from the terminal, with progress bars")
+    run.add_argument("prompt")
+    run.add_argument("--image", default=None, metavar="SRC", help="source image (a file or a data: URL) for image-to-image")
+    run.add_argument("--out", default=None, metavar="FILE", help="where to write the result (PNG for images, text for chat)")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--height", type=int, default=None)
+    run.add_argument("--width", type=int, default=None)
+    run.add_argument("--steps", type=int, default=None, help="denoising steps")
+    run.add_argument("--guidance", type=float, default=None, help="guidance scale")
+    run.add_argument("--negative-prompt", default=None)
+    run.add_argument("--max-tokens", type=int, default=None)
+    run.add_argument("--temperature", type=float, default=None)
+    run.add_argument("--n", type=int, default=1, help="number of outputs (seeds seed, seed+1, ...)")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    validate = sub.add_parser("validate", parents=[shared], help="validate a deploy config")
+    validate.add_argument("file", metavar="DEPLOY.yaml")
+    validate.add_argument("--check-devices", action="store_true",
+                          help="also check that the GPUs named in `devices` exist on this machine")
+
+    history = sub.add_parser("history", parents=[shared], help="list, show, export and import recorded runs")
+    hsub = history.add_subparsers(dest="history_command", metavar="ACTION", required=True)
+    ls = hsub.add_parser("ls", parents=[shared], help="list runs, newest first")
+    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--status", default=None)
+    ls.add_argument("--search", default=None, help="text in the prompt")
+    show = hsub.add_parser("show", parents=[shared], help="one run in full")
+    show.add_argument("run_id", metavar="ID")
+    show.add_argument("--json", action="store_true")
+    export = hsub.add_parser("export", parents=[shared], help="write runs, config snapshots and output files to a bundle")
+    export.add_argument("file", metavar="FILE")
+    imp = hsub.add_parser("import", parents=[shared], help="import a bundle (runs already present are skipped)")
+    imp.add_argument("file", metavar="FILE")
+    return parser
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def load_image_source(source: str):
+    """A PIL image from a file path or a ``data:image/...;base64,`` URL."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        if source.startswith("data:"):
+            header, _, payload = source.partition(",")
+            if ";base64" not in header:
+                raise CLIError("--image: data URLs must be base64 encoded (data:image/png;base64,...)")
+            data = base64.b64decode(payload, validate=True)
+            image = Image.open(io.BytesIO(data))
+        else:
+            path = Path(source).expanduser()
+            if not path.is_file():
+                raise CLIError(f"--image: no such file: {source}")
+            image = Image.open(path)
+        image.load()
+        return image
+    except (UnidentifiedImageError, ValueError, OSError) as exc:
+        raise CLIError(f"--image: not a readable image ({exc})") from exc
+
+
+def summarize_pipeline(config: PipelineConfig) -> str:
+    lines = [
+        f"model {config.model_name} ({config.family}), {len(config.stages)} stage(s), config hash {config.hash8}"
+    ]
+    for s in config.stages:
+        sources = ",".join(map(str, s.input_sources)) or "request"
+        parts = [
+            f"stage {s.stage_id}",
+            f"{s.kind:<9}",
+            f"inputs={sources}",
+            f"output={s.engine_output_type}" + (" (final)" if s.final_output else ""),
+        ]
+        if s.input_processor:
+            parts.append(f"processor={s.input_processor}")
+        if s.kind == "ar":
+            parts.append(f"backend={s.backend}")
+        parts.append(f"devices={s.engine_args.get('devices')}")
+        parts.append(f"max_num_seqs={s.engine_args.get('max_num_seqs')}")
+        lines.append("  " + "  ".join(parts))
+    return "\n".join(lines)
+
+
+def _model_arg(args: argparse.Namespace) -> str | None:
+    return getattr(args, "model_arg", None) or args.model
+
+
+# -- commands ---------------------------------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from engine.engine import build_pipeline_config, device_problems
+    from engine.models import ModelNotFound, describe_model
+    from engine.pipelines import UnknownModelFamily
+
+    try:
+        source = describe_model(_model_arg(args))
+    except (ModelNotFound, UnknownModelFamily) as exc:
+        raise CLIError(str(exc)) from exc
+    try:
+        config = build_pipeline_config(source, args.file, args.ar_backend)
+        if args.check_devices:
+            problems = device_problems(config)
+            if problems:
+                raise DeployConfigError(problems, source=args.file)
+    except DeployConfigError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 1
+    print(f"{args.file}: valid")
+    print(summarize_pipeline(config))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from engine import GenerationParams, GenerationRequest, RequestError
+    from engine.events import RunFailed, RunFinished
+    from engine.modality import OutputModality
+    from studio.progress import StageProgressBars
+    from studio.runtime import start_engine
+
+    image = load_image_source(args.image) if args.image else None
+    engine = start_engine(args)
+    try:
+        request = GenerationRequest(
+            args.prompt,
+            GenerationParams(
+                seed=args.seed,
+                height=args.height,
+                width=args.width,
+                num_inference_steps=args.steps,
+                guidance_scale=args.guidance,
+                negative_prompt=args.negative_prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                n=args.n,
+            ),
+            image=image,
+        )
+        try:
+            resolved = engine.resolve(request)
+        except RequestError as exc:
+            raise CLIError(str(exc)) from exc
+        makes_images = OutputModality.IMAGE in resolved.modalities
+        if makes_images and not args.out:
+            raise CLIError(f"--out FILE is required: {engine.config.model_name} makes images")
+        names = {s.stage_id: s.kind for s in engine.config.stages}
+        bars = StageProgressBars(names, show_text=not makes_images and not args.quiet)
+        result: Any = None
+        try:
+            for event in engine.stream(resolved):
+                if not args.quiet:
+                    bars(event)
+                if isinstance(event, (RunFinished, RunFailed)):
+                    result = event
+        finally:
+            bars.close()
+        if isinstance(result, RunFailed):
+            print(f"run failed: {result.message}", file=sys.stderr)
+            return 1
+        written = write_outputs(result, args.out, makes_images)
+        for line in written:
+            print(line)
+        print(f"seed {resolved.seed}", file=sys.stderr)
+        return 0
+    finally:
+        engine.close()
+
+
+def write_outputs(result: Any, out: str | None, makes_images: bool) -> list[str]:
+    """Write a finished run's outputs; returns one line per file (or the text when there is no file)."""
+    lines = []
+    if makes_images:
+        images = result.images
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for i, image in enumerate(images):
+            target = path if len(images) == 1 else path.with_name(f"{path.stem}-{i}{path.suffix or '.png'}")
+            image.save(target, format="PNG")
+            lines.append(f"{target} ({image.width}x{image.height})")
+    else:
+        text = "\n\n".join(o.text or "" for o in result.outputs)
+        if out:
+            Path(out).write_text(text + "\n")
+            lines.append(str(out))
+        else:
+            print()
+    return lines
+
+
+def cmd_not_ready(args: argparse.Namespace) -> int:
+    raise CLIError(f"'omni-studio {args.command}' is not available in this build yet")
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "validate": cmd_validate,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command or "ui"
+    args.command = command
+    handler = COMMANDS.get(command, cmd_not_ready)
+    quiet_libraries()
+    try:
+        return handler(args)
+    except CLIError as exc:
+        print(f"omni-studio {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except StartupError as exc:
+        print(f"omni-studio {command}: cannot start: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Starting the engine from command-line options, with every start-up failure turned into a clear message."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine import OmniEngine
+from engine.config import DeployConfigError
+from engine.engine import EngineBuildError, build_pipeline_config
+from engine.models import ModelNotFound, describe_model, materialize
+from engine.paths import default_data_dir, model_cache_dir
+from engine.pipelines import UnknownModelFamily
+
+
+def quiet_libraries() -> None:
+    """Keep the terminal for our own progress: no library progress bars, warnings only when they matter."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import diffusers
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()
+
+
+class StartupError(Exception):
+    """The studio cannot start; the message says why and what to change."""
+
+
+def data_dir_from(args: argparse.Namespace) -> Path:
+    path = Path(args.data_dir).expanduser() if getattr(args, "data_dir", None) else default_data_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def start_engine(args: argparse.Namespace, max_pending: int = 64) -> OmniEngine:
+    """Validate the deploy config against the model, build the model if built in, load every stage."""
+    model = getattr(args, "model_arg", None) or args.model
+    try:
+        source = describe_model(model)
+        config = build_pipeline_config(source, args.deploy_config, args.ar_backend)
+        source = materialize(source, model_cache_dir(data_dir_from(args)))
+        return OmniEngine.start(config, source, max_pending=max_pending)
+    except DeployConfigError as exc:
+        raise StartupError(exc.render()) from exc
+    except (ModelNotFound, UnknownModelFamily, EngineBuildError) as exc:
+        raise StartupError(str(exc)) from exc
