@@ -10,6 +10,7 @@ turns that into an async iterator and :meth:`OmniEngine.stream` into a blocking 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -26,8 +27,8 @@ from engine.config import (
     DeployConfigError,
     PipelineConfig,
     ResolvedStage,
-    load_deploy_config,
-    load_deploy_file,
+    parse_deploy_config,
+    parse_deploy_file,
     resolve_pipeline_config,
 )
 from engine.events import (
@@ -104,15 +105,17 @@ def build_pipeline_config(
 ) -> PipelineConfig:
     """Validate ``deploy`` (a model, a parsed YAML mapping or a path) against ``source``'s family."""
     label = None
+    problems: list[ConfigProblem] = []
     if deploy is None and source.default_deploy_path is not None:
         deploy = source.default_deploy_path
     if isinstance(deploy, (str, Path)):
         label = str(deploy)
-        deploy = load_deploy_file(deploy)
+        deploy, problems = parse_deploy_file(deploy)
     elif isinstance(deploy, dict):
-        deploy = load_deploy_config(deploy)
+        deploy, problems = parse_deploy_config(deploy)
     config = resolve_pipeline_config(
-        deploy, source.family.name, source.family.templates, source.name, source.identity, source=label
+        deploy, source.family.name, source.family.templates, source.name, source.identity, source=label,
+        prior_problems=problems,
     )
     if ar_backend and ar_backend != "auto":
         config = with_ar_backend(config, ar_backend)
@@ -169,10 +172,9 @@ class RequestHandle:
         self.cancel_event.set()
 
     def emit(self, event: EngineEvent) -> None:
-        try:
+        # RuntimeError: the consumer's event loop is gone (client disconnected, loop closed).
+        with contextlib.suppress(RuntimeError):
             self.sink(event)
-        except RuntimeError:  # the consumer's event loop is gone (client disconnected, loop closed)
-            pass
 
 
 # -- stage workers --------------------------------------------------------------------------------

@@ -11,13 +11,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import torch
 
 
-class OutputModality(str, Enum):
+class OutputModality(StrEnum):
     """The kinds of output a stage can produce."""
 
     TEXT = "text"
@@ -25,9 +25,6 @@ class OutputModality(str, Enum):
     AUDIO = "audio"
     LATENT = "latent"
     TOKEN_IDS = "token_ids"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 VALID_MODALITY_NAMES: tuple[str, ...] = tuple(m.value for m in OutputModality)
@@ -79,7 +76,7 @@ def format_output_modalities(modalities: tuple[OutputModality, ...]) -> str:
     return "+".join(m.value for m in modalities)
 
 
-class Accumulation(str, Enum):
+class Accumulation(StrEnum):
     """How successive DELTA payloads of one key combine."""
 
     CONCAT_DIM0 = "concat_dim0"  # tensors (and lists) are concatenated along dim 0

@@ -10,6 +10,8 @@ from engine.config.errors import ConfigProblem, DeployConfigError
 from engine.config.loader import (
     load_deploy_config,
     load_deploy_file,
+    parse_deploy_config,
+    parse_deploy_file,
     parse_deploy_yaml_text,
     read_deploy_yaml,
 )
@@ -32,6 +34,8 @@ __all__ = [
     "StageTemplate",
     "load_deploy_config",
     "load_deploy_file",
+    "parse_deploy_config",
+    "parse_deploy_file",
     "parse_deploy_yaml_text",
     "read_deploy_yaml",
     "resolve_pipeline_config",

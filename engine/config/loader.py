@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +63,23 @@ def _stage_label(raw: Any, index: int) -> int | str:
     return f"#{index}"
 
 
-def load_deploy_config(data: Any, source: str | None = None) -> DeployConfig:
-    """Validate a parsed deploy document. Every stage is checked even when an earlier one fails."""
+def parse_deploy_config(data: Any, source: str | None = None) -> tuple[DeployConfig, list[ConfigProblem]]:
+    """Validate a parsed deploy document, keeping what is valid so later checks can still run.
+
+    A stage with bad keys is kept without those keys (when its ``stage_id`` is usable), so the sampling
+    and topology checks that follow report their problems in the same pass.
+    """
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise DeployConfigError(
-            [ConfigProblem(None, "", f"the deploy config must be a mapping, got {type(data).__name__}")], source
-        )
+        return DeployConfig(), [ConfigProblem(None, "", f"the deploy config must be a mapping, got {type(data).__name__}")]
     problems: list[ConfigProblem] = []
     top = {k: v for k, v in data.items() if k != "stages"}
     try:
         top_model = DeployConfig.model_validate(top)
     except ValidationError as exc:
         problems += problems_from_validation_error(exc, DeployConfig, None)
-        top_model = None
+        top_model = DeployConfig()
 
     stages_given = "stages" in data
     raw_stages = data.get("stages")
@@ -95,15 +98,29 @@ def load_deploy_config(data: Any, source: str | None = None) -> DeployConfig:
             stages.append(StageConfig.model_validate(raw))
         except ValidationError as exc:
             problems += problems_from_validation_error(exc, StageConfig, label)
-    if problems:
-        raise DeployConfigError(problems, source)
-    assert top_model is not None
+            bad_keys = {str(error["loc"][0]) for error in exc.errors() if error["loc"]}
+            if "stage_id" in bad_keys:
+                continue
+            with contextlib.suppress(ValidationError):
+                stages.append(StageConfig.model_validate({k: v for k, v in raw.items() if k not in bad_keys}))
     fields: dict[str, Any] = {"async_chunk": top_model.async_chunk} if "async_chunk" in data else {}
     if stages_given:
         fields["stages"] = stages
     # model_construct keeps model_fields_set honest: an absent `stages` key means "use the topology".
-    return DeployConfig.model_construct(_fields_set=set(fields), **fields)
+    return DeployConfig.model_construct(_fields_set=set(fields), **fields), problems
+
+
+def load_deploy_config(data: Any, source: str | None = None) -> DeployConfig:
+    """Validate a parsed deploy document; raises :class:`DeployConfigError` with every key-level problem."""
+    deploy, problems = parse_deploy_config(data, source)
+    if problems:
+        raise DeployConfigError(problems, source)
+    return deploy
 
 
 def load_deploy_file(path: str | Path) -> DeployConfig:
     return load_deploy_config(read_deploy_yaml(path), source=str(path))
+
+
+def parse_deploy_file(path: str | Path) -> tuple[DeployConfig, list[ConfigProblem]]:
+    return parse_deploy_config(read_deploy_yaml(path), source=str(path))

@@ -172,7 +172,7 @@ def _merge_stage(
     kind = overrides.get("kind") or template.kind  # type: ignore[union-attr]
 
     def pick(key: str, default: Any) -> Any:
-        return overrides[key] if key in overrides else default
+        return overrides.get(key, default)
 
     base_topology = {k: getattr(template, k) for k in TOPOLOGY_KEYS} if template else {}
     input_sources = pick("input_sources", base_topology.get("input_sources", ()))
@@ -278,15 +278,17 @@ def resolve_pipeline_config(
     model_name: str,
     model_identity: str,
     source: str | None = None,
+    prior_problems: list[ConfigProblem] | None = None,
 ) -> PipelineConfig:
     """Merge ``deploy`` over the family's built-in ``templates`` and validate the result.
 
-    Raises :class:`DeployConfigError` listing every problem found.
+    Raises :class:`DeployConfigError` listing every problem found, including ``prior_problems`` (those
+    the loader found in keys it had to drop).
     """
-    problems: list[ConfigProblem] = []
+    problems: list[ConfigProblem] = list(prior_problems or [])
     deploy = deploy or DeployConfig()
     stages_given = "stages" in deploy.model_fields_set
-    if stages_given and not deploy.stages:
+    if stages_given and not deploy.stages and not problems:
         raise DeployConfigError([ConfigProblem(None, "stages", "no stages: the list is empty")], source)
 
     seen: dict[int, StageConfig] = {}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ class PipelineFamily(ABC):
         """The source image as every stage will see it."""
         return image.convert("RGB")
 
-    def complete_params(
+    def complete_params(  # noqa: B027  (optional hook: families without extra rules keep the default)
         self, request: GenerationRequest, config: PipelineConfig, stage_params: dict[int, dict[str, Any]]
     ) -> None:
         """Fill family defaults and check family rules (sizes, token budgets); edit ``stage_params``."""

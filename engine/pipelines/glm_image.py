@@ -172,10 +172,9 @@ class GlmImageFamily(PipelineFamily):
         dit_id = next(s.stage_id for s in config.stages if s.kind == "diffusion")
         dit = stage_params[dit_id]
         given = request.params
-        if request.image is not None:
+        if request.image is not None and given.height is None and given.width is None:
             # I2I defaults to the source image's size (already a multiple of 32).
-            if given.height is None and given.width is None:
-                dit["width"], dit["height"] = request.image.size
+            dit["width"], dit["height"] = request.image.size
         self.check_size(dit)
         dit["prompt"] = request.prompt
         ar = stage_params[ar_id]

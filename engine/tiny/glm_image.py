@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    GlmImagePipeline,
+    GlmImageTransformer2DModel,
+)
 from transformers import (
     ByT5Tokenizer,
     GlmImageConfig,
