@@ -178,10 +178,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from engine.events import RunFailed, RunFinished
     from engine.modality import OutputModality
     from studio.progress import StageProgressBars
-    from studio.runtime import start_engine
+    from studio.runtime import data_dir_from, start_engine
+    from studio.store import RunRecorder, StoreError, open_store
 
     image = load_image_source(args.image) if args.image else None
     engine = start_engine(args)
+    recorder: RunRecorder | None = None
     try:
         request = GenerationRequest(
             args.prompt,
@@ -205,15 +207,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         makes_images = OutputModality.IMAGE in resolved.modalities
         if makes_images and not args.out:
             raise CLIError(f"--out FILE is required: {engine.config.model_name} makes images")
+        try:  # recorded like a run from the UI or the API (no fingerprint: nothing is served)
+            recorder = RunRecorder(open_store(args.db, data_dir_from(args)))
+        except StoreError as exc:
+            raise StartupError(str(exc)) from exc
+        cli_request = {k: v for k, v in vars(args).items() if v is not None and k in (
+            "prompt", "image", "seed", "height", "width", "steps", "guidance", "negative_prompt", "max_tokens",
+            "temperature", "n", "model", "deploy_config", "ar_backend")}
+        tracker = recorder.start_run("cli", resolved, engine.config,
+                                     args.served_model_name or engine.config.model_name, None, cli_request)
         names = {s.stage_id: s.kind for s in engine.config.stages}
         bars = StageProgressBars(names, show_text=not makes_images and not args.quiet)
         result: Any = None
         try:
             for event in engine.stream(resolved):
+                tracker.observe(event)
                 if not args.quiet:
                     bars(event)
                 if isinstance(event, (RunFinished, RunFailed)):
                     result = event
+        except KeyboardInterrupt:
+            tracker.fail("stopped from the terminal (Ctrl-C)", cancelled=True)
+            raise
         finally:
             bars.close()
         if isinstance(result, RunFailed):
@@ -223,8 +238,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         for line in written:
             print(line)
         print(f"seed {resolved.seed}", file=sys.stderr)
+        print(f"recorded as run {tracker.run_id[:12]} (omni-studio history show {tracker.run_id[:12]})",
+              file=sys.stderr)
         return 0
     finally:
+        if recorder is not None:
+            recorder.close()  # writes everything queued before the process exits
+            recorder.store.close()
         engine.close()
 
 
@@ -249,12 +269,63 @@ def write_outputs(result: Any, out: str | None, makes_images: bool) -> list[str]
     return lines
 
 
+def cmd_history(args: argparse.Namespace) -> int:
+    """``history ls|show|export|import``: the run store from the terminal."""
+    import json
+
+    from studio.runtime import data_dir_from
+    from studio.store import AmbiguousRunId, BundleError, RunFilter, RunNotFound, StoreError, open_store
+    from studio.store.terminal import format_run_detail, format_run_table
+
+    try:
+        store = open_store(args.db, data_dir_from(args))
+    except StoreError as exc:
+        raise CLIError(str(exc)) from exc
+    try:
+        action = args.history_command
+        if action == "ls":
+            try:
+                selection = RunFilter(search=args.search, status=args.status)
+                runs = store.list_runs(selection, limit=args.limit)
+                total = store.count_runs(selection)
+            except ValueError as exc:  # an unknown --status
+                raise CLIError(str(exc)) from exc
+            print(json.dumps([r.to_dict() for r in runs], indent=2) if args.json else format_run_table(runs, total))
+        elif action == "show":
+            try:
+                run = store.get_run(store.resolve_run_id(args.run_id))
+            except (RunNotFound, AmbiguousRunId) as exc:
+                raise CLIError(str(exc)) from exc
+            print(json.dumps(run.to_dict(), indent=2, default=str) if args.json else format_run_detail(run))
+        elif action == "export":
+            count = store.export_bundle(Path(args.file))
+            print(f"exported {count} run{'s' if count != 1 else ''} to {args.file}")
+        elif action == "import":
+            try:
+                result = store.import_bundle(Path(args.file))
+            except BundleError as exc:
+                raise CLIError(str(exc)) from exc
+            print(f"imported {result.imported} run{'s' if result.imported != 1 else ''}, "
+                  f"skipped {result.skipped} already present")
+        return 0
+    finally:
+        store.close()
+
+
 def cmd_not_ready(args: argparse.Namespace) -> int:
     raise CLIError(f"'omni-studio {args.command}' is not available in this build yet")
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from studio.server import serve
+
+    return serve(args)
+
+
 COMMANDS = {
+    "history": cmd_history,
     "run": cmd_run,
+    "serve": cmd_serve,
     "validate": cmd_validate,
 }
 

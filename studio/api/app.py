@@ -1,0 +1,308 @@
+"""Wiring: the serving state (engine, options, cached handlers) and a thin router over it.
+
+The fingerprint mode is applied in :meth:`ServingState.build_handlers` *before* any handler is built, on
+every construction path (multi-stage, AR-only, diffusion-only: they differ only in the engine), and the
+handlers cache it. The UI changes the mode with :meth:`ServingState.set_fingerprint`, which rebuilds the
+handlers, so the next response carries the new value.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import ValidationError
+
+from engine import OmniEngine
+from studio.api.errors import APIError, from_validation_error
+from studio.api.fingerprint import FingerprintSettings, system_fingerprint
+from studio.api.inputs import InputLimits, decode_image_bytes
+from studio.api.metrics import APIMetrics
+from studio.api.protocol import ChatCompletionRequest, ImageGenerationRequest
+from studio.api.serving_base import Recording, ServingContext
+from studio.api.serving_chat import OpenAIServingChat
+from studio.api.serving_images import OpenAIServingImages, output_path
+from studio.api.serving_models import OpenAIServingModels
+
+log = logging.getLogger("omni_studio.api")
+SHA_FILE = re.compile(r"^([0-9a-f]{64})\.png$")
+EDIT_INT_FIELDS = ("n", "seed", "num_inference_steps", "height", "width")
+EDIT_FLOAT_FIELDS = ("guidance_scale",)
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    served_model_name: str | None = None
+    api_key: str | None = None
+    fingerprint: FingerprintSettings = field(default_factory=FingerprintSettings)
+    limits: InputLimits = field(default_factory=InputLimits)
+    data_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class Handlers:
+    chat: OpenAIServingChat
+    images: OpenAIServingImages
+    models: OpenAIServingModels
+    system_fingerprint: str | None
+
+
+class ServingState:
+    """The engine the API serves and the handlers built over it."""
+
+    def __init__(
+        self,
+        engine: OmniEngine | None,
+        options: ServingOptions | None = None,
+        recorder: Recording | None = None,
+        metrics: APIMetrics | None = None,
+        source: str = "api",
+    ) -> None:
+        self.options = options or ServingOptions()
+        self.recorder = recorder
+        self.metrics = metrics or APIMetrics()
+        self.source = source
+        self.engine: OmniEngine | None = None
+        self.handlers: Handlers | None = None
+        self._lock = threading.Lock()
+        if engine is not None:
+            self.set_engine(engine)
+
+    @property
+    def served_model_name(self) -> str:
+        if self.options.served_model_name:
+            return self.options.served_model_name
+        return self.engine.model.name if self.engine else "unknown"
+
+    @property
+    def outputs_dir(self) -> Path | None:
+        return self.options.data_dir / "outputs" if self.options.data_dir else None
+
+    def build_handlers(self) -> Handlers:
+        """Apply the fingerprint mode, then build every handler over it (they cache what they read)."""
+        with self._lock:
+            engine = self.engine
+            if engine is None:
+                self.handlers = None
+                raise APIError(503, "no engine is loaded", None, "engine_not_ready")
+            fingerprint = system_fingerprint(self.options.fingerprint, engine.config)
+            context = ServingContext(
+                engine=engine,
+                served_model_name=self.served_model_name,
+                system_fingerprint=fingerprint,
+                metrics=self.metrics,
+                limits=self.options.limits,
+                recorder=self.recorder,
+                outputs_dir=self.outputs_dir,
+                source=self.source,
+            )
+            self.handlers = Handlers(
+                OpenAIServingChat(context), OpenAIServingImages(context), OpenAIServingModels(context), fingerprint
+            )
+            return self.handlers
+
+    def set_engine(self, engine: OmniEngine | None) -> None:
+        """Serve ``engine`` (``None`` while a new one is being built: requests get 503)."""
+        self.engine = engine
+        if engine is None:
+            self.handlers = None
+        else:
+            self.build_handlers()
+
+    def set_fingerprint(self, mode: str, value: str | None = None) -> str | None:
+        """Change the fingerprint mode (raises ``FingerprintError``); returns the new fingerprint."""
+        settings = FingerprintSettings(mode, value or None)
+        self.options = replace(self.options, fingerprint=settings)
+        return self.build_handlers().system_fingerprint
+
+    def set_api_key(self, key: str | None) -> None:
+        self.options = replace(self.options, api_key=key or None)
+
+    def require_handlers(self) -> Handlers:
+        handlers = self.handlers
+        if handlers is None:
+            raise APIError(503, "The engine is not ready (starting or being rebuilt); retry shortly", None,
+                           "engine_not_ready")
+        return handlers
+
+    def check_api_key(self, request: Request) -> None:
+        key = self.options.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        if not header:
+            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != key:
+            raise APIError(401, "Incorrect API key provided", None, "invalid_api_key")
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past ``limit`` bytes, 400 when not JSON."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise APIError(413, f"The request body is larger than {limit} bytes", None, "body_too_large")
+    try:
+        data = json.loads(body)
+    except ValueError as exc:
+        raise APIError(400, f"The body is not valid JSON: {exc}", None, "invalid_json") from exc
+    if not isinstance(data, dict):
+        raise APIError(400, "The body must be a JSON object", None, "invalid_json")
+    return data
+
+
+def parse(model: type, data: dict[str, Any]):
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+
+
+async def read_edit_form(request: Request, state: ServingState) -> tuple[dict[str, Any], Any]:
+    """Multipart form of ``/v1/images/edits`` -> (fields, source image)."""
+    limit = state.options.limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
+    try:
+        form = await request.form(max_part_size=state.options.limits.max_image_bytes + 1)
+    except Exception as exc:  # malformed multipart
+        raise APIError(400, f"Expected multipart/form-data with an image and a prompt ({exc})") from exc
+    fields: dict[str, Any] = {}
+    uploads = []
+    for key, value in form.multi_items():
+        name = key.removesuffix("[]")
+        if hasattr(value, "read"):
+            if name != "image":
+                raise APIError(400, f"Unsupported file field '{name}' (only 'image' is supported)", name)
+            uploads.append(value)
+        else:
+            fields[name] = value
+    if len(uploads) != 1:
+        raise APIError(400, f"Expected exactly one 'image' file, got {len(uploads)}", "image")
+    for key in EDIT_INT_FIELDS + EDIT_FLOAT_FIELDS:
+        if key in fields:
+            try:
+                fields[key] = int(fields[key]) if key in EDIT_INT_FIELDS else float(fields[key])
+            except ValueError:
+                raise APIError(400, f"Invalid value for '{key}': {fields[key]!r} is not a number", key) from None
+    data = await uploads[0].read()
+    image = decode_image_bytes(data, "image", state.options.limits)
+    return fields, image
+
+
+Endpoint = Callable[[Request, ServingState], Awaitable[Response]]
+
+
+def _endpoint(state: ServingState, name: str, handler: Endpoint, *, auth: bool = True):
+    async def route(request: Request) -> Response:
+        started = time.perf_counter()
+        status = 500
+        try:
+            if auth:
+                state.check_api_key(request)
+            response = await handler(request, state)
+            status = response.status_code
+            return response
+        except APIError as exc:
+            status = exc.status
+            return exc.response()
+        except Exception as exc:  # never let one request take the server down
+            log.exception("unhandled error in %s", name)
+            status = 500
+            return APIError(500, f"Internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
+        finally:
+            state.metrics.requests.labels(name, str(status)).inc()
+            state.metrics.latency.labels(name).observe(time.perf_counter() - started)
+
+    route.__name__ = f"omni_{name}"
+    return route
+
+
+async def _health(request: Request, state: ServingState) -> Response:
+    if state.handlers is None:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.served_model_name})
+
+
+async def _models(request: Request, state: ServingState) -> Response:
+    return JSONResponse(state.require_handlers().models.list().model_dump())
+
+
+async def _chat(request: Request, state: ServingState) -> Response:
+    handlers = state.require_handlers()
+    payload = await read_json(request, state.options.limits.max_body_bytes)
+    return await handlers.chat.create(parse(ChatCompletionRequest, payload), payload, request)
+
+
+async def _images_generations(request: Request, state: ServingState) -> Response:
+    handlers = state.require_handlers()
+    payload = await read_json(request, state.options.limits.max_body_bytes)
+    return await handlers.images.generate(parse(ImageGenerationRequest, payload), payload, request)
+
+
+async def _images_edits(request: Request, state: ServingState) -> Response:
+    handlers = state.require_handlers()
+    fields, image = await read_edit_form(request, state)
+    payload = {**fields, "image": "<uploaded file>"}
+    return await handlers.images.generate(parse(ImageGenerationRequest, fields), payload, request, image=image)
+
+
+async def _outputs(request: Request, state: ServingState) -> Response:
+    name = request.path_params["name"]
+    match = SHA_FILE.match(name)
+    outputs = state.outputs_dir
+    if match is None or outputs is None or not output_path(outputs, match.group(1)).is_file():
+        raise APIError(404, f"No output file named {name!r}", "name", "file_not_found")
+    return FileResponse(output_path(outputs, match.group(1)), media_type="image/png")
+
+
+async def _metrics(request: Request, state: ServingState) -> Response:
+    engine = state.engine
+    depths = engine.queue_depths() if engine else {}
+    body = state.metrics.render(depths, engine.in_flight if engine else 0)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+API_ROUTES: list[tuple[str, str, str, Endpoint, bool]] = [
+    ("GET", "/health", "health", _health, False),
+    ("GET", "/metrics", "metrics", _metrics, False),
+    ("GET", "/v1/models", "models", _models, True),
+    ("POST", "/v1/chat/completions", "chat_completions", _chat, True),
+    ("POST", "/v1/images/generations", "images_generations", _images_generations, True),
+    ("POST", "/v1/images/edits", "images_edits", _images_edits, True),
+    ("GET", "/v1/outputs/{name}", "outputs", _outputs, True),
+]
+
+
+def create_api_router(state: ServingState) -> APIRouter:
+    """All API routes over ``state`` (include it in any FastAPI app, Gradio's included)."""
+    router = APIRouter()
+    for method, path, name, handler, auth in API_ROUTES:
+        router.add_api_route(path, _endpoint(state, name, handler, auth=auth), methods=[method],
+                             include_in_schema=True, name=name)
+    return router
+
+
+def create_app(state: ServingState) -> FastAPI:
+    """The API-only app behind ``omni-studio serve``."""
+    from studio import __version__
+
+    app = FastAPI(title="Omni Studio API", version=__version__)
+    app.include_router(create_api_router(state))
+    app.state.serving = state
+    return app

@@ -1,0 +1,112 @@
+"""Turning API payloads into engine requests: messages, data-URL images, sizes, generation fields."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from engine import ChatTurn, GenerationParams, GenerationRequest
+from engine.modality import OutputModality
+from studio.api.errors import APIError
+from studio.api.protocol import SIZE_PATTERN, ChatCompletionRequest
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_image_bytes: int = 32 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+
+
+def decode_image_bytes(data: bytes, param: str, limits: InputLimits) -> Image.Image:
+    """Bytes -> RGB PIL image; 413 when too large, 422 when not an image."""
+    if len(data) > limits.max_image_bytes:
+        raise APIError(413, f"{param}: the image is {len(data)} bytes; the limit is {limits.max_image_bytes}", param)
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            if opened.width * opened.height > limits.max_image_pixels:
+                raise APIError(
+                    413,
+                    f"{param}: the image is {opened.width}x{opened.height}; the limit is "
+                    f"{limits.max_image_pixels} pixels",
+                    param,
+                )
+            opened.load()
+            return opened.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise APIError(422, f"{param}: the data is not a decodable image ({exc})", param, "invalid_image") from exc
+
+
+def decode_data_url(url: str, param: str, limits: InputLimits) -> Image.Image:
+    if url.startswith(("http://", "https://")):
+        raise APIError(400, f"{param}: only data: URLs are supported (this server does not fetch remote images)", param)
+    if not url.startswith("data:"):
+        raise APIError(400, f"{param}: expected a data:image/...;base64,... URL", param)
+    header, sep, payload = url.partition(",")
+    if not sep or ";base64" not in header or not header[5:].startswith("image/"):
+        raise APIError(400, f"{param}: expected a base64 data:image/... URL (got {header[:40]!r})", param)
+    if len(payload) * 3 // 4 > limits.max_image_bytes:
+        raise APIError(413, f"{param}: the image is larger than {limits.max_image_bytes} bytes", param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise APIError(400, f"{param}: invalid base64 data ({exc})", param) from exc
+    return decode_image_bytes(data, param, limits)
+
+
+def parse_size(size: str | None, fields: dict[str, Any], param: str = "size") -> None:
+    """``'WxH'`` -> ``fields['width'/'height']``; a conflict with explicit height/width is an error."""
+    if size is None or size == "auto":
+        return
+    match = SIZE_PATTERN.match(size)
+    if match is None:
+        raise APIError(400, f"{param} must be 'WIDTHxHEIGHT', e.g. '1024x1024'", param)
+    width, height = int(match.group(1)), int(match.group(2))
+    for key, value in (("width", width), ("height", height)):
+        if fields.get(key) is not None and fields[key] != value:
+            raise APIError(400, f"{param} {size!r} disagrees with {key}={fields[key]}", param)
+        fields[key] = value
+
+
+def params_from_fields(fields: dict[str, Any]) -> GenerationParams:
+    return GenerationParams(
+        seed=fields.get("seed"),
+        height=fields.get("height"),
+        width=fields.get("width"),
+        num_inference_steps=fields.get("num_inference_steps"),
+        guidance_scale=fields.get("guidance_scale"),
+        negative_prompt=fields.get("negative_prompt"),
+        max_tokens=fields.get("max_tokens"),
+        temperature=fields.get("temperature"),
+        top_p=fields.get("top_p"),
+        top_k=fields.get("top_k"),
+        n=fields.get("n") or 1,
+        preview_every=fields.get("preview_every") or 0,
+    )
+
+
+def chat_to_engine_request(request: ChatCompletionRequest, limits: InputLimits) -> GenerationRequest:
+    """The newest user message is the prompt (and its image the I2I source); earlier turns are history."""
+    last = request.messages[-1]
+    if last.role != "user":
+        raise APIError(400, f"the last message must come from the user (got role {last.role!r})", "messages")
+    images = last.image_urls()
+    if len(images) > 1:
+        raise APIError(400, f"at most one image per request (got {len(images)})", "messages")
+    index = len(request.messages) - 1
+    image = decode_data_url(images[0], f"messages[{index}].content.image_url", limits) if images else None
+    prompt = last.text()
+    if not prompt.strip() and image is None:
+        raise APIError(400, "the last user message has no text", "messages")
+    history = tuple(
+        ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in request.messages[:-1]
+    )
+    fields = request.generation()
+    parse_size(fields.pop("size", None), fields)
+    modalities = tuple(OutputModality(m) for m in request.modalities) if request.modalities else None
+    return GenerationRequest(prompt, params_from_fields(fields), image=image, history=history, modalities=modalities)

@@ -1,0 +1,42 @@
+"""Prometheus metrics for ``GET /metrics``: requests, latency, per-stage time, queue depth."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.events import StageFinished
+
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class APIMetrics:
+    """One registry per app, so several apps (tests) in one process do not collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "omni_studio_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "omni_studio_request_latency_seconds", "End-to-end request latency", ["endpoint"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.stage_seconds = Histogram(
+            "omni_studio_stage_seconds", "Time spent in each stage per request", ["stage", "kind"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "omni_studio_queue_depth", "Jobs queued or running per stage", ["stage"], registry=self.registry
+        )
+        self.in_flight = Gauge("omni_studio_requests_in_flight", "Requests inside the engine", registry=self.registry)
+
+    def observe_stage(self, event: StageFinished) -> None:
+        if event.status == "succeeded":
+            self.stage_seconds.labels(str(event.stage_id), event.kind).observe(event.seconds)
+
+    def render(self, queue_depths: dict[int, int], in_flight: int) -> bytes:
+        for stage, depth in queue_depths.items():
+            self.queue_depth.labels(str(stage)).set(depth)
+        self.in_flight.set(in_flight)
+        return generate_latest(self.registry)

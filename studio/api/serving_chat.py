@@ -1,0 +1,147 @@
+"""``POST /v1/chat/completions``: text, images and streamed progress in OpenAI's chat format.
+
+Streaming rule for ``system_fingerprint`` (SPEC section 4): exactly one chunk carries it: the terminal
+chunk (the one with ``finish_reason``) when usage is not requested, the trailing usage chunk
+(``choices: []``) when ``stream_options.include_usage`` is true.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.events import (
+    DiffusionStep,
+    EngineEvent,
+    RunFailed,
+    RunFinished,
+    RunOutput,
+    StageStarted,
+    TextDelta,
+    TokenProgress,
+)
+from studio.api.errors import APIError
+from studio.api.inputs import chat_to_engine_request
+from studio.api.protocol import ChatCompletionRequest, completion_id, now
+from studio.api.serving_base import OpenAIServing, RunTracking, png_data_url, usage_of
+
+
+def message_content(output: RunOutput) -> str | list[dict[str, Any]]:
+    """Plain text for text-only outputs; otherwise a list of parts (text first, then images)."""
+    if not output.images:
+        return output.text or ""
+    parts: list[dict[str, Any]] = []
+    if output.text:
+        parts.append({"type": "text", "text": output.text})
+    parts += [{"type": "image_url", "image_url": {"url": png_data_url(image)}} for image in output.images]
+    return parts
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, request: ChatCompletionRequest, payload: dict[str, Any], raw: Request | None):
+        self.check_model(request.model)
+        engine_request = chat_to_engine_request(request, self.context.limits)
+        resolved = self.resolve(engine_request)
+        tracker = self.track(resolved, payload)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return StreamingResponse(
+                self.stream(resolved, tracker, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Run-Id": tracker.run_id},
+            )
+        result = await self.run_to_completion(resolved, tracker, raw)
+        body: dict[str, Any] = {
+            "id": completion_id(),
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.served_model_name,
+            "choices": [
+                {
+                    "index": output.index,
+                    "message": {"role": "assistant", "content": message_content(output)},
+                    "finish_reason": output.finish_reason,
+                }
+                for output in result.outputs
+            ],
+            "usage": usage_of(result),
+        }
+        if self.system_fingerprint is not None:
+            body["system_fingerprint"] = self.system_fingerprint
+        return JSONResponse(body, headers={"X-Run-Id": tracker.run_id})
+
+    async def stream(self, resolved, tracker: RunTracking, include_usage: bool) -> AsyncIterator[str]:
+        chunk_id, created = completion_id(), now()
+        n = resolved.n
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.served_model_name, "choices": choices, **extra}
+            return sse(body)
+
+        def delta(index: int, content: Any = None, **extra: Any) -> dict[str, Any]:
+            d: dict[str, Any] = {} if content is None else {"content": content}
+            return {"index": index, "delta": d, "finish_reason": None, **extra}
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                     for i in range(n)])
+        finished = False
+        events = self.events(resolved, tracker)
+        try:
+            async for event in events:
+                piece = self._event_chunk(event, delta, chunk)
+                if piece:
+                    yield piece
+                if isinstance(event, RunFinished):
+                    for output in event.outputs:
+                        if output.images:  # text already streamed as deltas
+                            parts = [{"type": "image_url", "image_url": {"url": png_data_url(img)}}
+                                     for img in output.images]
+                            yield chunk([delta(output.index, parts)])
+                    fingerprint = {} if self.system_fingerprint is None else {
+                        "system_fingerprint": self.system_fingerprint}
+                    terminal = [{"index": o.index, "delta": {}, "finish_reason": o.finish_reason}
+                                for o in event.outputs]
+                    if include_usage:
+                        yield chunk(terminal)
+                        yield chunk([], usage=usage_of(event), **fingerprint)
+                    else:
+                        yield chunk(terminal, **fingerprint)
+                    finished = True
+                elif isinstance(event, RunFailed):
+                    status = 400 if event.error_type == "invalid_request" else 500
+                    error = APIError(status, event.message, None, event.error_type)
+                    yield sse(error.body())
+                    finished = True
+        except APIError as exc:  # queue full / engine restarting before anything ran
+            yield sse(exc.body())
+            finished = True
+        finally:
+            if not finished:  # the client went away mid-stream
+                tracker.fail("the client disconnected during the stream", cancelled=True)
+            await events.aclose()  # cancels the engine request if it is still running
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _event_chunk(event: EngineEvent, delta, chunk) -> str | None:
+        if isinstance(event, TextDelta):
+            return chunk([delta(event.index, event.text)])
+        if isinstance(event, StageStarted):
+            progress = {"stage": event.stage_id, "kind": event.kind, "step": 0, "total": event.total}
+            return chunk([delta(event.index)], progress=progress)
+        if isinstance(event, (TokenProgress, DiffusionStep)):
+            kind = "ar" if isinstance(event, TokenProgress) else "diffusion"
+            progress = {"stage": event.stage_id, "kind": kind, "step": event.step, "total": event.total}
+            extra: dict[str, Any] = {"progress": progress}
+            if isinstance(event, DiffusionStep) and event.preview is not None:
+                extra["preview"] = png_data_url(event.preview)
+            return chunk([delta(event.index)], **extra)
+        return None

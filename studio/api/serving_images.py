@@ -1,0 +1,79 @@
+"""``POST /v1/images/generations`` and ``POST /v1/images/edits`` (OpenAI Images API).
+
+``response_format: b64_json`` inlines the PNG; ``url`` points at ``GET /v1/outputs/<sha256>.png``, which
+serves the content-addressed file (the same file the run store keeps).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from engine import GenerationRequest
+from engine.modality import OutputModality
+from studio.api.errors import APIError
+from studio.api.inputs import params_from_fields, parse_size
+from studio.api.protocol import ImageGenerationRequest, now
+from studio.api.serving_base import OpenAIServing
+from studio.media import png_bytes
+
+
+def output_path(outputs_dir: Path, sha256: str) -> Path:
+    return outputs_dir / sha256[:2] / f"{sha256}.png"
+
+
+def save_output(outputs_dir: Path, data: bytes) -> str:
+    """Write ``data`` content-addressed (atomically; an existing file is left alone); return its sha256."""
+    sha = hashlib.sha256(data).hexdigest()
+    path = output_path(outputs_dir, sha)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    return sha
+
+
+class OpenAIServingImages(OpenAIServing):
+    async def generate(
+        self,
+        request: ImageGenerationRequest,
+        payload: dict[str, Any],
+        raw: Request | None,
+        image=None,
+    ) -> JSONResponse:
+        self.check_model(request.model)
+        fields: dict[str, Any] = request.model_dump(
+            include={"seed", "num_inference_steps", "guidance_scale", "negative_prompt", "height", "width", "n"},
+            exclude_none=True,
+        )
+        parse_size(request.size, fields)
+        engine_request = GenerationRequest(
+            request.prompt, params_from_fields(fields), image=image, modalities=(OutputModality.IMAGE,)
+        )
+        resolved = self.resolve(engine_request)
+        tracker = self.track(resolved, payload)
+        result = await self.run_to_completion(resolved, tracker, raw)
+        data = []
+        for image_out in result.images:
+            encoded = png_bytes(image_out)
+            if request.response_format == "url":
+                if self.context.outputs_dir is None:
+                    raise APIError(400, "response_format 'url' needs a data dir; use b64_json", "response_format")
+                sha = save_output(self.context.outputs_dir, encoded)
+                base = str(raw.base_url).rstrip("/") if raw is not None else ""
+                data.append({"url": f"{base}/v1/outputs/{sha}.png", "revised_prompt": None})
+            else:
+                data.append({"b64_json": base64.b64encode(encoded).decode(), "revised_prompt": None})
+        body: dict[str, Any] = {"created": now(), "data": data, "output_format": "png"}
+        if self.system_fingerprint is not None:
+            body["system_fingerprint"] = self.system_fingerprint
+        return JSONResponse(body, headers={"X-Run-Id": tracker.run_id})

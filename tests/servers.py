@@ -1,0 +1,80 @@
+"""Starting real `omni-studio` processes for tests: 127.0.0.1 only, a free port, stopped by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, data_dir: Path) -> None:
+        self.process = process
+        self.port = port
+        self.log_path = log_path
+        self.data_dir = data_dir
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, sig)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+def start_server(args: list[str], data_dir: Path, ready_path: str = "/health", timeout: float = 120) -> LiveServer:
+    """Run ``omni-studio ARGS --host 127.0.0.1 --port P --data-dir D`` and wait until it answers."""
+    port = free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / f"server-{port}.log"
+    command = [sys.executable, "-m", "studio.cli", *args, "--host", "127.0.0.1", "--port", str(port),
+               "--data-dir", str(data_dir)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    server = LiveServer(process, port, log_path, data_dir)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + ready_path, timeout=2).status_code == 200:
+                return server
+        time.sleep(0.3)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"server did not become ready in {timeout}s:\n{server.log()}")
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], data_dir: Path, **kwargs) -> Iterator[LiveServer]:
+    server = start_server(args, data_dir, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
