@@ -1,0 +1,43 @@
+"""The run store: every run from the UI, the API and the CLI, searchable, comparable and portable.
+
+``open_store`` gives a :class:`RunStore` (synchronous, thread-safe); wrap it in a :class:`RunRecorder` to
+record from engine events without blocking an event loop.
+"""
+
+from typing import Any
+
+from studio.store.errors import AmbiguousRunId, BundleError, RunNotFound, StoreError
+from studio.store.models import ACTIVE_STATUSES, OUTPUT_KINDS, RUN_SOURCES, RUN_STATUSES
+from studio.store.records import ImportResult, OutputRecord, RunDetail, RunFilter, RunSummary, StageRecord
+from studio.store.store import RunStore, open_store
+
+__all__ = [
+    "ACTIVE_STATUSES",
+    "OUTPUT_KINDS",
+    "RUN_SOURCES",
+    "RUN_STATUSES",
+    "AmbiguousRunId",
+    "BundleError",
+    "ImportResult",
+    "OutputRecord",
+    "RunDetail",
+    "RunFilter",
+    "RunNotFound",
+    "RunRecorder",
+    "RunStore",
+    "RunSummary",
+    "RunTracker",
+    "StageRecord",
+    "StoreError",
+    "open_store",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The recorder speaks engine events, and importing the engine loads torch (seconds); the store
+    # alone (history commands, tools, a process opening the database) does not need it.
+    if name in ("RunRecorder", "RunTracker"):
+        from studio.store import recorder
+
+        return getattr(recorder, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""SQLAlchemy models of the run store: runs, their per-stage rows and outputs, pipeline-config snapshots.
+
+The schema itself is created and evolved by the Alembic migrations in ``migrations/versions``; these
+models must match the head revision (a test compares them).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+RUN_SOURCES = ("ui", "api", "cli")
+RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
+ACTIVE_STATUSES = ("queued", "running")  # a run in one of these has a live process recording it
+OUTPUT_KINDS = ("image", "text", "source")  # source: the input image of an image-to-image run
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timestamps stored as naive UTC and returned timezone-aware.
+
+    SQLite has no timezone-aware type and would hand back naive values; storing UTC everywhere keeps
+    SQLite and PostgreSQL rows comparable (and bundles portable between them).
+    """
+
+    impl = DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is not None:
+            value = value.astimezone(UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
+
+
+class ConfigSnapshot(Base):
+    """A resolved pipeline config (``PipelineConfig.to_dict()``), stored once per hash."""
+
+    __tablename__ = "config_snapshots"
+
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    body: Mapped[dict[str, Any]]
+    family: Mapped[str] = mapped_column(String(64))
+    model_name: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Run(Base):
+    """One request from the UI, the API or the CLI, whatever its outcome."""
+
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # uuid4 hex, chosen by the caller
+    source: Mapped[str] = mapped_column(String(8), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    prompt: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(255), index=True)
+    request: Mapped[dict[str, Any]]
+    parameters: Mapped[dict[str, Any]]
+    seed: Mapped[int | None] = mapped_column(BigInteger)
+    config_hash: Mapped[str | None] = mapped_column(ForeignKey("config_snapshots.hash"), index=True)
+    fingerprint: Mapped[str | None] = mapped_column(String(255), index=True)
+    error: Mapped[str | None] = mapped_column(Text)
+    text: Mapped[str | None] = mapped_column(Text)
+    input_tokens: Mapped[int | None]
+    output_tokens: Mapped[int | None]
+    # The store instance (host, pid, start time, token) recording the run: a queued/running run whose
+    # owner is gone was cut off by a crash and is marked interrupted; one whose owner lives is left alone.
+    owner: Mapped[str | None] = mapped_column(String(160), index=True)
+
+    stages: Mapped[list[RunStage]] = relationship(
+        back_populates="run", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="(RunStage.variant_index, RunStage.stage_id)",
+    )
+    outputs: Mapped[list[Output]] = relationship(
+        back_populates="run", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="(Output.kind, Output.index)",
+    )
+    config: Mapped[ConfigSnapshot | None] = relationship()
+
+
+class RunStage(Base):
+    """One stage of one of a run's ``n`` variants: timings, token counts, status."""
+
+    __tablename__ = "run_stages"
+    __table_args__ = (UniqueConstraint("run_id", "variant_index", "stage_id", name="uq_run_stages_variant_stage"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    variant_index: Mapped[int] = mapped_column(default=0)
+    stage_id: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    queue_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    input_tokens: Mapped[int] = mapped_column(default=0)
+    output_tokens: Mapped[int] = mapped_column(default=0)
+    batch_size: Mapped[int] = mapped_column(default=1)
+
+    run: Mapped[Run] = relationship(back_populates="stages")
+
+
+class Output(Base):
+    """A file a run produced (or took as input), stored once per content hash under ``outputs/``."""
+
+    __tablename__ = "outputs"
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "index", name="uq_outputs_run_kind_index"),
+        Index("ix_outputs_sha256", "sha256"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int]  # position among the run's outputs of this kind (image 0, 1, ...; text 0, 1, ...)
+    kind: Mapped[str] = mapped_column(String(16))
+    sha256: Mapped[str] = mapped_column(String(64))
+    mime: Mapped[str] = mapped_column(String(64))
+    width: Mapped[int | None]
+    height: Mapped[int | None]
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+
+    run: Mapped[Run] = relationship(back_populates="outputs")

@@ -1,0 +1,366 @@
+"""Recording runs from engine events without blocking the caller.
+
+:class:`RunRecorder` owns one writer thread and a queue: API handlers on the asyncio event loop, engine
+worker threads and the CLI only enqueue, and every database write and file write happens on the writer
+thread, in the order enqueued. A :class:`RunTracker` per request turns the engine's events
+(:mod:`engine.events`) into store calls:
+
+    tracker = recorder.start_run("api", resolved, engine.config, served_name, fingerprint, body)
+    async for event in engine.generate(resolved):
+        tracker.observe(event)
+        ...
+    # a client that went away: tracker.fail("client disconnected", cancelled=True)
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from engine.config import PipelineConfig
+from engine.events import EngineEvent, RunFailed, RunFinished, StageFinished, StageStarted
+from engine.request import ResolvedRequest
+from studio.media import png_bytes
+from studio.store.models import RUN_SOURCES
+from studio.store.store import RunStore
+
+log = logging.getLogger(__name__)
+
+RETRIES = 4  # transient database errors (locked, connection dropped) are retried this many times
+RETRY_BASE_DELAY = 0.05
+MAX_BATCH = 256  # queued writes committed together
+MAX_INLINE_DATA_URL = 1024  # longer data: URLs in a request are replaced by a short description
+TEXT_MIME = "text/plain; charset=utf-8"
+
+_STOP = object()
+_open_recorders: weakref.WeakSet[RunRecorder] = weakref.WeakSet()
+
+
+class _Task:
+    __slots__ = ("description", "call", "on_error")
+
+    def __init__(
+        self, description: str, call: Callable[[], Any], on_error: Callable[[Exception], None] | None = None
+    ) -> None:
+        self.description = description
+        self.call = call
+        self.on_error = on_error
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def compact_payload(value: Any) -> Any:
+    """The request as received, with inline images (long ``data:`` URLs) replaced by a description.
+
+    Base64 images would make every history row megabytes; the decoded source image is stored as the
+    run's ``source`` output instead.
+    """
+    if isinstance(value, dict):
+        return {k: compact_payload(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [compact_payload(v) for v in value]
+    if isinstance(value, str) and value.startswith("data:") and len(value) > MAX_INLINE_DATA_URL:
+        header = value.split(",", 1)[0]
+        digest = hashlib.sha256(value.encode()).hexdigest()[:16]
+        return f"{header},<{len(value)} characters omitted; sha256 {digest}>"
+    return value
+
+
+class RunRecorder:
+    """Writes runs to a :class:`RunStore` on one background thread; callers never wait for the database.
+
+    Failed writes are retried when the error is transient and otherwise logged (with the run id) and
+    counted in :attr:`errors`; the writer thread keeps going either way.
+    """
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+        self.errors = 0
+        self.last_error: str | None = None
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._configs: dict[int, tuple[PipelineConfig, dict[str, Any], str]] = {}
+        self._thread = threading.Thread(target=self._work, name="omni-run-recorder", daemon=True)
+        self._thread.start()
+        _open_recorders.add(self)
+
+    # the writer thread ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        """Take what is queued, up to a flush marker, and write it as one batch."""
+        while True:
+            item = self._queue.get()
+            batch: list[_Task] = []
+            while True:
+                if item is _STOP:
+                    self._write_batch(batch)
+                    return
+                if isinstance(item, threading.Event):  # a flush marker: everything before it is written
+                    self._write_batch(batch)
+                    batch = []
+                    item.set()
+                else:
+                    batch.append(item)
+                    if len(batch) >= MAX_BATCH:
+                        self._write_batch(batch)
+                        batch = []
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._write_batch(batch)
+
+    def _write_batch(self, tasks: list[_Task]) -> None:
+        """One transaction for all of ``tasks``; if anything in it fails, each task again on its own, so
+        one bad write costs only itself (and transient errors get their retries)."""
+        if len(tasks) > 1:
+            try:
+                with self.store.batch():
+                    for task in tasks:
+                        task.call()
+                return
+            except Exception as exc:
+                log.debug("run store: a batch of %d writes failed (%s); writing them one by one",
+                          len(tasks), exc.__class__.__name__)
+        for task in tasks:
+            self._execute(task)
+
+    def _execute(self, task: _Task) -> None:
+        for attempt in range(RETRIES + 1):
+            try:
+                task.call()
+                return
+            except Exception as exc:
+                if attempt < RETRIES and _transient(exc):
+                    log.warning("run store: %s failed (%s); retrying", task.description, exc.__class__.__name__)
+                    time.sleep(RETRY_BASE_DELAY * 2**attempt)
+                    continue
+                self.errors += 1
+                self.last_error = f"{task.description}: {exc.__class__.__name__}: {exc}"
+                log.error("run store: %s failed", task.description, exc_info=exc)
+                if task.on_error is not None:
+                    try:
+                        task.on_error(exc)
+                    except Exception:
+                        log.exception("run store: error handler of %s failed", task.description)
+                return
+
+    # the callers' side ----------------------------------------------------------------------------
+
+    def submit(
+        self, description: str, call: Callable[[], Any], on_error: Callable[[Exception], None] | None = None
+    ) -> None:
+        """Queue one write; ``on_error`` runs (on the writer thread) if it finally fails.
+
+        After :meth:`close` the write runs at once in the caller: late, but not lost.
+        """
+        task = _Task(description, call, on_error)
+        if self._closed:
+            self._execute(task)
+            return
+        self._queue.put(task)
+
+    def start_run(
+        self,
+        source: str,
+        resolved: ResolvedRequest,
+        config: PipelineConfig,
+        model_name: str,
+        fingerprint: str | None,
+        request_payload: dict[str, Any],
+    ) -> RunTracker:
+        """Record a new queued run for ``resolved`` and return its tracker (its id is the request id)."""
+        if source not in RUN_SOURCES:
+            raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
+        run_id = resolved.request_id
+        created = time.time()
+        body, config_hash = self._config_body(config)
+        values = {
+            "source": source,
+            "prompt": resolved.request.prompt,
+            "model": model_name,
+            "request": compact_payload(request_payload),
+            "parameters": resolved.parameters,
+            "seed": resolved.seed,
+            "config": body,
+            "config_hash": config_hash,
+            "fingerprint": fingerprint,
+            "run_id": run_id,
+            "created_at": created,
+        }
+        self.submit(f"create run {run_id}", lambda: self.store.create_run(**values))
+        image = resolved.request.image
+        if image is not None:
+            self.submit(
+                f"store source image of run {run_id}",
+                lambda: self.store.add_output(run_id, 0, png_bytes(image), "image/png", image.width,
+                                              image.height, kind="source"),
+            )
+        return RunTracker(self, run_id)
+
+    def _config_body(self, config: PipelineConfig) -> tuple[dict[str, Any], str]:
+        """``config.to_dict()`` and its hash, computed once per config object (a server has one or two)."""
+        cached = self._configs.get(id(config))
+        if cached is None or cached[0] is not config:
+            cached = (config, config.to_dict(), config.config_hash())
+            if len(self._configs) >= 8:  # engines rebuilt from the UI leave old configs behind
+                self._configs.clear()
+            self._configs[id(config)] = cached
+        return cached[1], cached[2]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued before this call is written; False on timeout."""
+        if self._closed or threading.current_thread() is self._thread:
+            return True
+        marker = threading.Event()
+        self._queue.put(marker)
+        return marker.wait(timeout)
+
+    @property
+    def pending(self) -> int:
+        """Writes queued and not yet done (approximate)."""
+        return self._queue.qsize()
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued, then stop the writer thread. The store stays open (its owner closes it)."""
+        if self._closed:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        self._closed = True
+        _open_recorders.discard(self)
+        # Anything queued after the stop marker (a late submit racing close) is written here.
+        while True:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(task, threading.Event):
+                task.set()
+            elif task is not _STOP:
+                self._execute(task)
+
+
+@atexit.register
+def _close_open_recorders() -> None:
+    """Interpreter exit: write what is still queued (the writer is a daemon thread and would just stop)."""
+    for recorder in list(_open_recorders):
+        recorder.close(timeout=10)
+
+
+class RunTracker:
+    """One run's recording: feed it the request's engine events; thread-safe."""
+
+    def __init__(self, recorder: RunRecorder, run_id: str) -> None:
+        self.recorder = recorder
+        self.run_id = run_id
+        self._lock = threading.Lock()
+        self._running = False
+        self._finished = False
+        self._output_errors: list[str] = []  # written and read on the writer thread only
+
+    @property
+    def store(self) -> RunStore:
+        return self.recorder.store
+
+    def finished(self) -> bool:
+        """Whether the run's outcome has been recorded (queued for writing)."""
+        return self._finished
+
+    def _claim_finish(self) -> bool:
+        with self._lock:
+            if self._finished:
+                return False
+            self._finished = True
+            return True
+
+    def observe(self, event: EngineEvent) -> None:
+        """Record what ``event`` means for the run (events other than stage and terminal ones are ignored)."""
+        run_id = self.run_id
+        if isinstance(event, StageStarted):
+            with self._lock:
+                if self._running or self._finished:
+                    return
+                self._running = True
+            at = time.time()
+            self.recorder.submit(f"mark run {run_id} running", lambda: self.store.mark_running(run_id, at))
+        elif isinstance(event, StageFinished):
+            self.recorder.submit(
+                f"record stage {event.stage_id} of run {run_id}",
+                lambda: self.store.add_stage(
+                    run_id, stage_id=event.stage_id, kind=event.kind, status=event.status,
+                    started_at=event.started_at, finished_at=event.finished_at,
+                    queue_seconds=event.queue_seconds, input_tokens=event.input_tokens,
+                    output_tokens=event.output_tokens, batch_size=event.batch_size,
+                    variant_index=event.index,
+                ),
+            )
+        elif isinstance(event, RunFinished):
+            if self._claim_finish():
+                self._record_finished(event, time.time())
+        elif isinstance(event, RunFailed):
+            self.fail(event.message, cancelled=event.cancelled)
+
+    def fail(self, message: str, cancelled: bool = False) -> bool:
+        """Record a failure the engine did not report (e.g. the client went away: ``cancelled=True``).
+
+        False when the run already had an outcome.
+        """
+        if not self._claim_finish():
+            return False
+        status, at, run_id = ("cancelled" if cancelled else "failed"), time.time(), self.run_id
+        self.recorder.submit(
+            f"finish run {run_id} as {status}",
+            lambda: self.store.finish_run(run_id, status, error=message, at=at),
+        )
+        return True
+
+    def _record_finished(self, event: RunFinished, at: float) -> None:
+        run_id = self.run_id
+        texts: list[str] = []
+        image_index = 0
+        for output in event.outputs:
+            if output.text is not None:
+                self._submit_output(len(texts), output.text.encode(), TEXT_MIME, None, None)
+                texts.append(output.text)
+            for image in output.images:
+                # png_bytes runs on the writer thread; the API's response shares the cached encoding.
+                self._submit_output(image_index, image, "image/png", image.width, image.height)
+                image_index += 1
+        usage = {
+            "input_tokens": sum(o.input_tokens for o in event.outputs),
+            "output_tokens": sum(o.output_tokens for o in event.outputs),
+        }
+        text = "\n\n".join(texts) if texts else None
+
+        def finish() -> None:
+            # The request succeeded for its caller even if a file could not be kept; say so in the error.
+            error = "; ".join(self._output_errors) or None
+            self.store.finish_run(run_id, "succeeded", error=error, text=text, usage=usage, at=at)
+
+        self.recorder.submit(f"finish run {run_id} as succeeded", finish)
+
+    def _submit_output(self, index: int, content: Any, mime: str, width: int | None, height: int | None) -> None:
+        run_id = self.run_id
+
+        kind = mime.split(";")[0]
+
+        def save() -> None:
+            data = content if isinstance(content, bytes) else png_bytes(content)
+            self.store.add_output(run_id, index, data, mime, width, height)
+
+        def failed(exc: Exception) -> None:
+            self._output_errors.append(f"output {kind} #{index} not saved: {exc.__class__.__name__}: {exc}")
+
+        self.recorder.submit(f"store output {index} ({kind}) of run {run_id}", save, failed)

@@ -1,0 +1,717 @@
+"""The run store: every run from the UI, the API and the CLI, with its stages, outputs and config snapshot.
+
+One :class:`RunStore` per process wraps a SQLAlchemy engine (SQLite in the data dir by default, or any
+URL such as PostgreSQL shared by several studio processes) and a content-addressed file tree
+``<data_dir>/outputs/<sha[:2]>/<sha>.<ext>``. Every method is synchronous and thread-safe: each call is
+one short transaction (or part of the calling thread's :meth:`RunStore.batch`). Callers on an event loop
+go through :class:`studio.store.recorder.RunRecorder`, which makes these calls on a writer thread.
+
+Writes use prebuilt Core statements with bound parameters (compiled once, cached by SQLAlchemy); the
+ORM is used for reading, where relationships pay off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext, suppress
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, delete, func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, joinedload, selectinload
+
+from studio.store import bundle
+from studio.store.errors import AmbiguousRunId, RunNotFound, StoreError
+from studio.store.models import (
+    ACTIVE_STATUSES,
+    OUTPUT_KINDS,
+    RUN_SOURCES,
+    RUN_STATUSES,
+    ConfigSnapshot,
+    Output,
+    Run,
+    RunStage,
+    utcnow,
+)
+from studio.store.records import (
+    ImportResult,
+    OutputRecord,
+    RunDetail,
+    RunFilter,
+    RunSummary,
+    StageRecord,
+    as_datetime,
+    config_hash_of,
+    diff_mappings,
+    flatten,
+    jsonable,
+)
+from studio.store.schema import create_store_engine, default_url, upgrade_schema
+
+log = logging.getLogger(__name__)
+
+TERMINAL_STATUSES = tuple(s for s in RUN_STATUSES if s not in ACTIVE_STATUSES)
+INTERRUPTED_ERROR = (
+    "interrupted: the process recording this run stopped (crash, kill or power loss) before the run "
+    "finished; marked when the run store was next opened"
+)
+_EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "text/plain": ".txt"}
+
+_runs, _stages, _outputs = Run.__table__, RunStage.__table__, Output.__table__
+_MARK_RUNNING = (
+    _runs.update()
+    .where(_runs.c.id == bindparam("p_id"), _runs.c.status == "queued")
+    .values(status="running", started_at=bindparam("p_at"))
+)
+_FINISH = (
+    _runs.update()
+    .where(_runs.c.id == bindparam("p_id"), _runs.c.status.in_((*ACTIVE_STATUSES, "interrupted")))
+    .values(
+        status=bindparam("p_status"),
+        error=bindparam("p_error"),
+        finished_at=bindparam("p_at"),
+        text=func.coalesce(bindparam("p_text", type_=_runs.c.text.type), _runs.c.text),
+        input_tokens=func.coalesce(bindparam("p_in", type_=_runs.c.input_tokens.type), _runs.c.input_tokens),
+        output_tokens=func.coalesce(bindparam("p_out", type_=_runs.c.output_tokens.type), _runs.c.output_tokens),
+    )
+)
+
+# Owners (store instances) open in this process; another instance with our pid but not in here is a
+# previous process that had the same pid (containers restart as pid 1), so its runs are orphans.
+_LIVE_OWNERS: set[str] = set()
+
+
+def _kind_for_mime(mime: str) -> str:
+    if mime.startswith("image/"):
+        return "image"
+    if mime.startswith("text/"):
+        return "text"
+    raise ValueError(f"unsupported output type {mime!r}: image/* or text/*")
+
+
+def extension(mime: str) -> str:
+    """The file extension outputs of this type are stored with."""
+    return _EXTENSIONS.get(mime.split(";")[0].strip(), ".bin")
+
+
+def _process_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (Linux clock ticks since boot), to tell a live process from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may contain spaces, so split after its closing parenthesis.
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _new_owner() -> str:
+    pid = os.getpid()
+    return f"{socket.gethostname()[:80]}|{pid}|{_process_start_ticks(pid) or 0}|{uuid.uuid4().hex[:12]}"
+
+
+def _advisory_key(owner: str) -> int:
+    return int.from_bytes(hashlib.sha256(owner.encode()).digest()[:8], "big", signed=True)
+
+
+class RunStore:
+    """Runs, stages, outputs and config snapshots in a SQL database plus content-addressed files.
+
+    Open with :func:`open_store`. Thread-safe.
+    """
+
+    def __init__(self, engine: Engine, data_dir: Path) -> None:
+        self.engine = engine
+        self.data_dir = Path(data_dir)
+        self.outputs_dir = self.data_dir / "outputs"
+        self.dialect = engine.dialect.name
+        self.owner = _new_owner()
+        self.interrupted_at_open = 0
+        self._write_engine = engine.execution_options(omni_write=True)
+        # SQLite has one writer at a time anyway; queueing our own threads here is cheaper than having
+        # them spin on the busy timeout.
+        self._write_lock = threading.Lock() if self.dialect == "sqlite" else nullcontext()
+        self._known_snapshots: set[str] = set()
+        self._batch = threading.local()  # the connection of this thread's open batch(), if any
+        self._owner_lock: Connection | None = None
+        self._closed = False
+        self._upsert_snapshot_statement = self._snapshot_insert()
+
+    # opening and closing ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, url: str | None, data_dir: Path) -> RunStore:
+        """Connect, migrate to the newest schema, claim an owner id, interrupt orphaned runs."""
+        data_dir = Path(data_dir).expanduser()
+        data_dir.mkdir(parents=True, exist_ok=True)
+        url = url or default_url(data_dir)
+        try:
+            engine = create_store_engine(url)
+        except (SQLAlchemyError, ValueError, ImportError) as exc:
+            raise StoreError(f"cannot use run database {url!r}: {exc}") from exc
+        store = cls(engine, data_dir)
+        try:
+            upgrade_schema(engine)
+            store._claim_owner()
+            store.interrupted_at_open = store.interrupt_orphaned_runs()
+        except SQLAlchemyError as exc:
+            store.close()
+            safe_url = make_url(url).render_as_string(hide_password=True)
+            raise StoreError(f"cannot open run database {safe_url}: {exc.__class__.__name__}: {exc}") from exc
+        except BaseException:
+            store.close()
+            raise
+        if store.interrupted_at_open:
+            log.warning("run store: %d run(s) left running by a stopped process marked interrupted",
+                        store.interrupted_at_open)
+        return store
+
+    def _claim_owner(self) -> None:
+        """Make this instance's liveness visible to other processes before it records any run."""
+        _LIVE_OWNERS.add(self.owner)
+        if self.dialect == "postgresql":
+            # A session-level advisory lock lives exactly as long as this connection: if the process
+            # dies, the server drops the connection and the lock, and the next opener sees the owner gone.
+            self._owner_lock = self.engine.connect()
+            self._owner_lock.exec_driver_sql(f"SELECT pg_advisory_lock({_advisory_key(self.owner)})")
+            self._owner_lock.commit()
+
+    def close(self) -> None:
+        """Release the owner claim and the connections. Runs still active stay as they are."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE_OWNERS.discard(self.owner)
+        if self._owner_lock is not None:
+            with suppress(SQLAlchemyError):  # the server is gone; so is the lock
+                self._owner_lock.close()
+        self.engine.dispose()
+
+    def __enter__(self) -> RunStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return self.engine.url.render_as_string(hide_password=True)
+
+    # transactions ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        connection = getattr(self._batch, "connection", None)
+        if connection is not None:  # part of this thread's batch: committed (or not) with it
+            yield connection
+            return
+        with self._write_lock, self._write_engine.begin() as connection:
+            yield connection
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Make every write this thread does inside the block one transaction: all of them or none.
+
+        The recorder's writer uses it to commit a burst of queued writes at once (a commit is much of a
+        small write's cost). A write that raises leaves the transaction unusable on some databases, so a
+        caller that catches an error inside the block must let the block fail and redo the writes singly.
+        """
+        if getattr(self._batch, "connection", None) is not None:
+            yield
+            return
+        after_commit: list[Callable[[], None]] = []
+        with self._write_lock, self._write_engine.begin() as connection:
+            self._batch.connection, self._batch.after_commit = connection, after_commit
+            try:
+                yield
+            finally:
+                self._batch.connection = self._batch.after_commit = None
+        for callback in after_commit:
+            callback()
+
+    def _after_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the current write is committed (at once when not in a batch)."""
+        pending = getattr(self._batch, "after_commit", None)
+        if pending is not None:
+            pending.append(callback)
+        else:
+            callback()
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with Session(self.engine) as session, session.begin():
+            yield session
+
+    # orphaned runs --------------------------------------------------------------------------------
+
+    def owner_alive(self, owner: str | None) -> bool:
+        """Whether the store instance ``owner`` may still be recording (and finishing) its runs."""
+        if owner is None:
+            return False
+        if owner == self.owner or owner in _LIVE_OWNERS:
+            return True
+        if self.dialect == "postgresql":
+            key = _advisory_key(owner)
+            with self.engine.connect() as connection:
+                acquired = bool(connection.exec_driver_sql(f"SELECT pg_try_advisory_lock({key})").scalar())
+                if acquired:
+                    connection.exec_driver_sql(f"SELECT pg_advisory_unlock({key})")
+                connection.commit()
+            return not acquired
+        try:
+            host, pid_text, ticks_text, _token = owner.split("|")
+            pid, ticks = int(pid_text), int(ticks_text)
+        except ValueError:
+            return False
+        if host != socket.gethostname()[:80] or pid == os.getpid():
+            # Another host cannot share a SQLite file safely; our own pid with an unknown token is a
+            # previous process that had this pid.
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # exists, owned by someone else
+            pass
+        current = _process_start_ticks(pid)
+        return not (ticks and current is not None and current != ticks)
+
+    def interrupt_orphaned_runs(self) -> int:
+        """Mark queued/running runs whose recording process is gone as ``interrupted``; returns how many."""
+        with self._read() as session:
+            owners = set(session.scalars(select(Run.owner).where(Run.status.in_(ACTIVE_STATUSES)).distinct()))
+        dead = [o for o in owners if not self.owner_alive(o)]
+        if not dead:
+            return 0
+        condition = _runs.c.owner.in_([o for o in dead if o is not None])
+        if None in dead:
+            condition = condition | _runs.c.owner.is_(None)
+        with self._write() as connection:
+            result = connection.execute(
+                _runs.update()
+                .where(_runs.c.status.in_(ACTIVE_STATUSES), condition)
+                .values(status="interrupted", error=INTERRUPTED_ERROR, finished_at=utcnow())
+            )
+            return result.rowcount or 0
+
+    # recording ------------------------------------------------------------------------------------
+
+    def _snapshot_insert(self) -> Any:
+        table = ConfigSnapshot.__table__
+        if self.dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        elif self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        else:
+            return None
+        # Concurrent processes may snapshot the same config; the first wins, the rest are no-ops.
+        return dialect_insert(table).on_conflict_do_nothing()
+
+    def _upsert_snapshot(self, connection: Connection, config_hash: str, body: Mapping[str, Any],
+                         created_at: datetime | None = None) -> None:
+        if config_hash in self._known_snapshots:
+            return
+        model = body.get("model") if isinstance(body.get("model"), Mapping) else {}
+        values = {
+            "hash": config_hash,
+            "body": jsonable(dict(body)),
+            "family": str(body.get("family") or ""),
+            "model_name": str(model.get("name") or ""),
+            "created_at": created_at or utcnow(),
+        }
+        if self._upsert_snapshot_statement is not None:
+            connection.execute(self._upsert_snapshot_statement, values)
+        elif connection.scalar(select(ConfigSnapshot.hash).where(ConfigSnapshot.hash == config_hash)) is None:
+            connection.execute(ConfigSnapshot.__table__.insert(), values)
+
+    def create_run(
+        self,
+        *,
+        source: str,
+        prompt: str,
+        model: str,
+        request: Mapping[str, Any],
+        parameters: Mapping[str, Any],
+        seed: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        config_hash: str | None = None,
+        fingerprint: str | None = None,
+        run_id: str | None = None,
+        status: str = "queued",
+        created_at: datetime | float | None = None,
+    ) -> str:
+        """Record a new run and return its id (``run_id`` when given, else a fresh uuid hex).
+
+        ``config`` is the pipeline config's ``to_dict()``; it is snapshotted once per hash.
+        """
+        if source not in RUN_SOURCES:
+            raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
+        if status not in RUN_STATUSES:
+            raise ValueError(f"status must be one of {', '.join(RUN_STATUSES)}, got {status!r}")
+        run_id = run_id or uuid.uuid4().hex
+        if config is not None and config_hash is None:
+            config_hash = config_hash_of(config)
+        row = {
+            "id": run_id, "source": source, "created_at": as_datetime(created_at) or utcnow(), "status": status,
+            "prompt": prompt, "model": model, "request": jsonable(dict(request)),
+            "parameters": jsonable(dict(parameters)), "seed": seed, "config_hash": config_hash,
+            "fingerprint": fingerprint, "owner": self.owner,
+        }
+        with self._write() as connection:
+            if config is not None:
+                self._upsert_snapshot(connection, config_hash, config)
+            connection.execute(_runs.insert(), row)
+        if config_hash is not None and config is not None:
+            # Only once committed: a batch rolled back would otherwise leave us skipping a missing snapshot.
+            self._after_commit(lambda: self._known_snapshots.add(config_hash))
+        return run_id
+
+    def mark_running(self, run_id: str, at: datetime | float | None = None) -> bool:
+        """queued -> running (the first stage started). False when the run is not queued."""
+        with self._write() as connection:
+            result = connection.execute(_MARK_RUNNING, {"p_id": run_id, "p_at": as_datetime(at) or utcnow()})
+            return bool(result.rowcount)
+
+    def add_stage(
+        self,
+        run_id: str,
+        *,
+        stage_id: int,
+        kind: str,
+        status: str,
+        started_at: datetime | float | None,
+        finished_at: datetime | float | None,
+        queue_seconds: float = 0.0,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        batch_size: int = 1,
+        variant_index: int = 0,
+    ) -> None:
+        """Record one finished stage of one variant (timings are datetimes or ``time.time()`` stamps)."""
+        row = {
+            "run_id": run_id, "variant_index": variant_index, "stage_id": stage_id, "kind": kind,
+            "status": status, "started_at": as_datetime(started_at), "finished_at": as_datetime(finished_at),
+            "queue_seconds": float(queue_seconds), "input_tokens": int(input_tokens),
+            "output_tokens": int(output_tokens), "batch_size": int(batch_size),
+        }
+        with self._write() as connection:
+            connection.execute(_stages.insert(), row)
+
+    def file_path(self, sha256: str, mime: str) -> Path:
+        """Where the file with this hash and type lives."""
+        return self.outputs_dir / sha256[:2] / f"{sha256}{extension(mime)}"
+
+    def write_file(self, data: bytes, mime: str, sha256: str | None = None) -> tuple[str, Path]:
+        """Put ``data`` in the content-addressed tree (once per hash); returns its sha256 and path."""
+        sha256 = sha256 or hashlib.sha256(data).hexdigest()
+        path = self.file_path(sha256, mime)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Write aside and rename: a reader (or a crash) never sees half a file under the final name.
+            fd, tmp = tempfile.mkstemp(prefix=f".{sha256[:8]}-", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        return sha256, path
+
+    def add_output(
+        self,
+        run_id: str,
+        index: int,
+        data: bytes,
+        mime: str,
+        width: int | None = None,
+        height: int | None = None,
+        kind: str | None = None,
+    ) -> str:
+        """Store a run's output file (once per content hash) and its row; returns the sha256.
+
+        ``kind`` defaults from ``mime`` (image/* -> image, text/* -> text); ``source`` records the input
+        image of an image-to-image run. ``index`` counts within the kind.
+        """
+        kind = kind or _kind_for_mime(mime)
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
+        sha256, path = self.write_file(data, mime)
+        row = {"run_id": run_id, "index": index, "kind": kind, "sha256": sha256, "mime": mime,
+               "width": width, "height": height, "size_bytes": len(data)}
+        with self._write() as connection:
+            connection.execute(_outputs.insert(), row)
+        if not path.exists():  # retention in another process removed it between our write and our row
+            self.write_file(data, mime, sha256)
+        return sha256
+
+    def finish_run(
+        self,
+        run_id: str,
+        status: str,
+        error: str | None = None,
+        text: str | None = None,
+        usage: Mapping[str, int] | None = None,
+        at: datetime | float | None = None,
+    ) -> bool:
+        """Record a run's outcome. The first outcome wins: False when the run had already finished.
+
+        ``usage`` holds ``input_tokens`` and ``output_tokens``. A run marked interrupted by mistake (its
+        owner looked dead) still takes the real outcome.
+        """
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"a run finishes as one of {', '.join(TERMINAL_STATUSES)}, not {status!r}")
+        usage = usage or {}
+        params = {"p_id": run_id, "p_status": status, "p_error": error, "p_at": as_datetime(at) or utcnow(),
+                  "p_text": text, "p_in": usage.get("input_tokens"), "p_out": usage.get("output_tokens")}
+        with self._write() as connection:
+            return bool(connection.execute(_FINISH, params).rowcount)
+
+    # reading --------------------------------------------------------------------------------------
+
+    def _detail(self, run: Run) -> RunDetail:
+        return RunDetail(
+            id=run.id, source=run.source, status=run.status, created_at=run.created_at,
+            started_at=run.started_at, finished_at=run.finished_at, prompt=run.prompt, model=run.model,
+            request=run.request, parameters=run.parameters, seed=run.seed, config_hash=run.config_hash,
+            fingerprint=run.fingerprint, error=run.error, text=run.text, input_tokens=run.input_tokens,
+            output_tokens=run.output_tokens,
+            stages=[
+                StageRecord(s.variant_index, s.stage_id, s.kind, s.status, s.started_at, s.finished_at,
+                            s.queue_seconds, s.input_tokens, s.output_tokens, s.batch_size)
+                for s in run.stages
+            ],
+            outputs=[
+                OutputRecord(o.index, o.kind, o.sha256, o.mime, o.width, o.height, o.size_bytes,
+                             self.file_path(o.sha256, o.mime))
+                for o in run.outputs
+            ],
+            config=run.config.body if run.config is not None else None,
+        )
+
+    @staticmethod
+    def _load_runs(session: Session, ids: Sequence[str]) -> list[Run]:
+        runs = session.scalars(
+            select(Run).where(Run.id.in_(ids))
+            .options(selectinload(Run.stages), selectinload(Run.outputs), joinedload(Run.config))
+        ).unique().all()
+        order = {run_id: i for i, run_id in enumerate(ids)}
+        return sorted(runs, key=lambda r: order[r.id])
+
+    def get_run(self, run_id: str) -> RunDetail:
+        """Everything about one run (``run_id`` exact); raises :class:`RunNotFound`."""
+        with self._read() as session:
+            runs = self._load_runs(session, [run_id])
+            if not runs:
+                raise RunNotFound(f"no run with id {run_id!r}")
+            return self._detail(runs[0])
+
+    def iter_runs(self, filter: RunFilter | None = None, chunk: int = 500) -> Iterator[Run]:
+        """Every matching run, oldest first, loaded with stages, outputs and snapshot (for export)."""
+        with self._read() as session:
+            ids = list(session.scalars(self._filtered(select(Run.id), filter).order_by(Run.created_at, Run.id)))
+        for start in range(0, len(ids), chunk):
+            with self._read() as session:
+                yield from self._load_runs(session, ids[start:start + chunk])
+
+    def resolve_run_id(self, prefix: str) -> str:
+        """The full id of the one run whose id starts with ``prefix`` (ids are shown shortened)."""
+        prefix = prefix.strip().lower()
+        if not prefix:
+            raise RunNotFound("no run id given")
+        with self._read() as session:
+            if session.get(Run, prefix) is not None:
+                return prefix
+            ids = session.scalars(
+                select(Run.id).where(Run.id.startswith(prefix, autoescape=True)).order_by(Run.id).limit(3)
+            ).all()
+        if not ids:
+            raise RunNotFound(f"no run id starts with {prefix!r}")
+        if len(ids) > 1:
+            raise AmbiguousRunId(f"{prefix!r} matches several runs ({', '.join(ids[:2])}, ...); give more digits")
+        return ids[0]
+
+    @staticmethod
+    def _filtered(statement: Any, flt: RunFilter | None) -> Any:
+        if flt is None:
+            return statement
+        conditions = []
+        if flt.search:
+            conditions.append(Run.prompt.icontains(flt.search, autoescape=True))
+        for column, value, allowed in ((Run.status, flt.status, RUN_STATUSES), (Run.source, flt.source, RUN_SOURCES)):
+            if value is None:
+                continue
+            values = [value] if isinstance(value, str) else list(value)
+            unknown = [v for v in values if v not in allowed]
+            if unknown:
+                raise ValueError(f"unknown {column.key} {unknown[0]!r}; one of: {', '.join(allowed)}")
+            conditions.append(column.in_(values))
+        if flt.model:
+            conditions.append(Run.model == flt.model)
+        if flt.fingerprint:
+            conditions.append(Run.fingerprint == flt.fingerprint)
+        if flt.config_hash:
+            conditions.append(Run.config_hash.startswith(flt.config_hash.lower(), autoescape=True))
+        if flt.since is not None:
+            conditions.append(Run.created_at >= as_datetime(flt.since))
+        if flt.until is not None:
+            conditions.append(Run.created_at <= as_datetime(flt.until))
+        return statement.where(*conditions) if conditions else statement
+
+    def list_runs(self, filter: RunFilter | None = None, limit: int = 50, offset: int = 0) -> list[RunSummary]:
+        """Runs matching ``filter``, newest first, ``limit`` from ``offset`` (for paging)."""
+        columns = (Run.id, Run.source, Run.status, Run.created_at, Run.started_at, Run.finished_at, Run.prompt,
+                   Run.model, Run.seed, Run.fingerprint, Run.config_hash, Run.error)
+        statement = self._filtered(select(*columns), filter)
+        statement = statement.order_by(Run.created_at.desc(), Run.id.desc()).limit(max(0, limit)).offset(max(0, offset))
+        with self._read() as session:
+            rows = session.execute(statement).all()
+            ids = [row.id for row in rows]
+            counts: dict[str, int] = {}
+            thumbs: dict[str, str] = {}
+            if ids:
+                images = session.execute(
+                    select(Output.run_id, Output.index, Output.sha256)
+                    .where(Output.run_id.in_(ids), Output.kind == "image")
+                ).all()
+                for run_id, index, sha in images:
+                    counts[run_id] = counts.get(run_id, 0) + 1
+                    if index == 0:
+                        thumbs[run_id] = sha
+        return [
+            RunSummary(*row, image_count=counts.get(row.id, 0), thumbnail_sha256=thumbs.get(row.id))
+            for row in rows
+        ]
+
+    def count_runs(self, filter: RunFilter | None = None) -> int:
+        """How many runs match ``filter`` (for paging)."""
+        with self._read() as session:
+            return int(session.scalar(self._filtered(select(func.count(Run.id)), filter)) or 0)
+
+    def diff_runs(self, a: str, b: str) -> dict[str, dict[str, tuple[Any, Any]]]:
+        """What differs between two runs: ``{"run": ..., "parameters": ..., "config": ...}``.
+
+        Each part maps a key to ``(value in a, value in b)``; config keys are flattened
+        (``stages.1.default_sampling_params.num_inference_steps``). A key missing on one side shows None.
+        """
+        run_a, run_b = self.get_run(a), self.get_run(b)
+        fields_a = {k: getattr(run_a, k) for k in ("prompt", "model", "source", "status", "fingerprint", "config_hash")}
+        fields_b = {k: getattr(run_b, k) for k in fields_a}
+        return {
+            "run": diff_mappings(fields_a, fields_b),
+            "parameters": diff_mappings(run_a.parameters, run_b.parameters),
+            "config": diff_mappings(flatten(run_a.config or {}), flatten(run_b.config or {})),
+        }
+
+    def output_file(self, sha256: str) -> Path:
+        """The path of the stored file with this hash; raises ``FileNotFoundError``."""
+        with self._read() as session:
+            mime = session.scalar(select(Output.mime).where(Output.sha256 == sha256).limit(1))
+        if mime is not None:
+            path = self.file_path(sha256, mime)
+            if path.exists():
+                return path
+        for path in (self.outputs_dir / sha256[:2]).glob(f"{sha256}.*"):
+            return path
+        raise FileNotFoundError(f"no stored output with sha256 {sha256}")
+
+    # deleting -------------------------------------------------------------------------------------
+
+    def _delete_ids(self, ids: Sequence[str]) -> int:
+        deleted = 0
+        shas: set[str] = set()
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            with self._write() as connection:
+                shas.update(connection.scalars(select(_outputs.c.sha256).where(_outputs.c.run_id.in_(chunk))))
+                # Stages and outputs go with their run (ON DELETE CASCADE).
+                deleted += connection.execute(delete(_runs).where(_runs.c.id.in_(chunk))).rowcount or 0
+        self._remove_unreferenced(shas)
+        return deleted
+
+    def _remove_unreferenced(self, shas: Iterable[str]) -> None:
+        shas = list(shas)
+        if not shas:
+            return
+        with self._read() as session:
+            used = set(session.scalars(select(Output.sha256).where(Output.sha256.in_(shas)).distinct()))
+        for sha in shas:
+            if sha in used:
+                continue
+            for path in (self.outputs_dir / sha[:2]).glob(f"{sha}.*"):
+                path.unlink(missing_ok=True)
+
+    def delete_run(self, run_id: str) -> bool:
+        """Delete one run with its stages, outputs and files no other run uses."""
+        return self._delete_ids([run_id]) > 0
+
+    def delete_runs_older_than(self, days: float) -> int:
+        """Retention: delete finished runs created more than ``days`` ago; returns how many.
+
+        Runs still queued or running are kept whatever their age. Config snapshots are kept: they are
+        small, and a live process may be about to reference one it already wrote.
+        """
+        cutoff = utcnow() - timedelta(days=days)
+        with self._read() as session:
+            ids = list(session.scalars(
+                select(Run.id).where(Run.created_at < cutoff, Run.status.not_in(ACTIVE_STATUSES))
+            ))
+        return self._delete_ids(ids)
+
+    # bundles --------------------------------------------------------------------------------------
+
+    def export_bundle(self, path: Path | str, filter: RunFilter | None = None) -> int:
+        """Write the runs matching ``filter`` (all by default) to one portable zip; returns how many.
+
+        The zip holds ``manifest.json``, ``runs.json`` (rows with their stages and outputs),
+        ``configs.json`` (the snapshots they reference) and ``files/<sha256><ext>``.
+        """
+        return bundle.export_bundle(self, Path(path), filter)
+
+    def import_bundle(self, path: Path | str) -> ImportResult:
+        """Add a bundle's runs; runs whose id is already here are skipped, files are stored once per hash.
+
+        Every file is checked against its sha256 before anything is written. Runs that were still
+        queued/running when exported are imported as interrupted. Raises :class:`BundleError`.
+        """
+        return bundle.import_bundle(self, Path(path))
+
+    def existing_ids(self, ids: Sequence[str]) -> set[str]:
+        """Which of ``ids`` are runs here."""
+        found: set[str] = set()
+        with self._read() as session:
+            for start in range(0, len(ids), 500):
+                found.update(session.scalars(select(Run.id).where(Run.id.in_(ids[start:start + 500]))))
+        return found
+
+    @contextmanager
+    def write_transaction(self) -> Iterator[Connection]:
+        """A write transaction for bulk work inside the store package (bundle import)."""
+        with self._write() as connection:
+            yield connection
+
+    def upsert_snapshot(self, connection: Connection, config_hash: str, body: Mapping[str, Any],
+                        created_at: datetime | None = None) -> None:
+        """Add a config snapshot unless one with this hash exists (inside ``connection``'s transaction)."""
+        self._upsert_snapshot(connection, config_hash, body, created_at)
+
+
+def open_store(url: str | None, data_dir: Path) -> RunStore:
+    """Open (creating and migrating as needed) the run store; ``url`` None means SQLite in ``data_dir``.
+
+    Runs left queued/running by a process that is gone are marked ``interrupted``; how many is in
+    ``store.interrupted_at_open``. Raises :class:`StoreError` when the database cannot be used.
+    """
+    return RunStore.open(url, data_dir)

@@ -1,0 +1,97 @@
+"""Plain-text views of recorded runs for ``omni-studio history`` (a table of runs, one run in full)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from studio.store.records import RunDetail, RunSummary
+
+SHORT_ID = 12  # ids are shown shortened; `history show` takes any unique prefix
+
+
+def local_time(value: datetime | None) -> str:
+    """A stored (UTC) timestamp in this machine's time zone, to the second."""
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def seconds(value: float | None) -> str:
+    return f"{value:.2f}s" if value is not None else "-"
+
+
+def one_line(text: str, width: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def size(num_bytes: int) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    if num_bytes < 1024**2:
+        return f"{num_bytes / 1024:.1f} KB"
+    return f"{num_bytes / 1024**2:.1f} MB"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(widths[i]) if i < len(headers) - 1 else cell for i, cell in enumerate(row))
+             for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_run_table(runs: Sequence[RunSummary], total: int) -> str:
+    """The history list: newest first, one line per run, and how many of how many are shown."""
+    if not runs:
+        return "no runs recorded yet" if total == 0 else f"no runs on this page ({total} match)"
+    rows = [
+        (r.id[:SHORT_ID], local_time(r.created_at), r.source, r.status, r.model, seconds(r.seconds),
+         r.image_count, one_line(r.prompt, 60))
+        for r in runs
+    ]
+    body = table(("ID", "CREATED", "SOURCE", "STATUS", "MODEL", "TIME", "IMAGES", "PROMPT"), rows)
+    return f"{body}\n{len(runs)} of {total} run{'s' if total != 1 else ''}"
+
+
+def format_run_detail(run: RunDetail) -> str:
+    """One run in full: fields, parameters, per-stage timings, outputs, error and text."""
+    config = "-"
+    if run.config_hash:
+        family = (run.config or {}).get("family", "")
+        config = f"{run.config_hash[:8]} ({family})" if family else run.config_hash[:8]
+    tokens = "-" if run.input_tokens is None else f"{run.input_tokens} in, {run.output_tokens} out"
+    fields = [
+        ("status", run.status), ("source", run.source), ("model", run.model),
+        ("created", local_time(run.created_at)), ("started", local_time(run.started_at)),
+        ("finished", local_time(run.finished_at)), ("duration", seconds(run.seconds)),
+        ("prompt", run.prompt), ("seed", run.seed if run.seed is not None else "-"),
+        ("fingerprint", run.fingerprint or "-"), ("config", config), ("tokens", tokens),
+    ]
+    if run.error:
+        fields.append(("error", run.error))
+    width = max(len(name) for name, _ in fields)
+    lines = [f"run {run.id}"]
+    lines += [f"  {name.ljust(width)}  {value}" for name, value in fields]
+    if run.parameters:
+        lines.append("parameters")
+        pwidth = max(len(k) for k in run.parameters)
+        lines += [f"  {k.ljust(pwidth)}  {json.dumps(v)}" for k, v in sorted(run.parameters.items())]
+    if run.stages:
+        lines.append("stages")
+        rows = [(s.variant_index, s.stage_id, s.kind, s.status, seconds(s.queue_seconds), seconds(s.seconds),
+                 s.input_tokens, s.output_tokens, s.batch_size) for s in run.stages]
+        body = table(("VARIANT", "STAGE", "KIND", "STATUS", "QUEUED", "TIME", "TOKENS IN", "TOKENS OUT", "BATCH"),
+                     rows)
+        lines += ["  " + line for line in body.splitlines()]
+    if run.outputs:
+        lines.append("outputs")
+        rows = [(o.kind, o.index, f"{o.width}x{o.height}" if o.width else "-", size(o.size_bytes), o.sha256[:12],
+                 o.path) for o in run.outputs]
+        lines += ["  " + line for line in table(("KIND", "#", "SIZE", "BYTES", "SHA256", "FILE"), rows).splitlines()]
+    if run.text:
+        lines.append("text")
+        lines += ["  " + line for line in run.text.splitlines()]
+    return "\n".join(lines)
