@@ -5,4 +5,31 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh test
 export OMNI_STUDIO_TEST_MODEL_CACHE="${OMNI_STUDIO_TEST_MODEL_CACHE:-$root/.venv/omni-test-models}"
-exec .venv/bin/python -m pytest -q -ra "$@"
+
+# A throwaway PostgreSQL server for the run store's tests (the same tests run on SQLite and on it).
+# Postgres refuses to run as root, so as root (CI) the server runs as `nobody` in a temp dir it owns.
+# A server given by the caller (OMNI_STUDIO_TEST_PG_URL already set) is used as is.
+if [ -z "${OMNI_STUDIO_TEST_PG_URL:-}" ]; then
+  pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)"
+  [ -x "$pg_bin/initdb" ] || { echo "PostgreSQL is not installed (run scripts/setup.sh test)" >&2; exit 1; }
+  pg_tmp="$(mktemp -d /tmp/omni-test-pg.XXXXXX)"
+  as_pg=()
+  if [ "$(id -u)" = 0 ]; then chown nobody "$pg_tmp"; as_pg=(runuser -u nobody --); fi
+  pg_port="$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  stop_pg() {
+    "${as_pg[@]}" "$pg_bin/pg_ctl" stop -D "$pg_tmp/data" -m fast -s >/dev/null 2>&1 || true
+    rm -rf "$pg_tmp"
+  }
+  trap stop_pg EXIT
+  "${as_pg[@]}" "$pg_bin/initdb" -D "$pg_tmp/data" -U postgres --auth=trust -E UTF8 --locale=C.UTF-8 >"$pg_tmp/initdb.log" 2>&1 \
+    || { cat "$pg_tmp/initdb.log" >&2; exit 1; }
+  "${as_pg[@]}" "$pg_bin/pg_ctl" start -D "$pg_tmp/data" -l "$pg_tmp/server.log" -w -s \
+    -o "-c listen_addresses=127.0.0.1 -p $pg_port -k $pg_tmp -c fsync=off -c max_connections=200" \
+    || { cat "$pg_tmp/server.log" >&2; exit 1; }
+  "$pg_bin/createdb" -h 127.0.0.1 -p "$pg_port" -U postgres omni_test
+  export OMNI_STUDIO_TEST_PG_URL="postgresql+psycopg://postgres@127.0.0.1:$pg_port/omni_test"
+  echo "[test] PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}') on 127.0.0.1:$pg_port (data in $pg_tmp)" >&2
+fi
+
+# Not exec: the EXIT trap above must still stop the PostgreSQL server.
+.venv/bin/python -m pytest -q -ra "$@"

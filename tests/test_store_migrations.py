@@ -1,0 +1,187 @@
+"""Each Alembic migration of the run store, on an empty and on a populated database, SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, inspect, text
+
+from studio.store import StoreError, open_store
+from studio.store.models import Base
+from studio.store.schema import (
+    alembic_config,
+    create_store_engine,
+    current_revision,
+    downgrade_schema,
+    head_revision,
+    upgrade_schema,
+)
+
+pytest_plugins = ["conftest_store"]
+
+REVISIONS = [rev.revision for rev in reversed(list(ScriptDirectory.from_config(alembic_config()).walk_revisions()))]
+NOW = datetime(2025, 1, 2, 3, 4, 5)
+
+
+def columns(connection: Connection, table: str) -> set[str]:
+    return {c["name"] for c in inspect(connection).get_columns(table)}
+
+
+def tables(connection: Connection) -> set[str]:
+    return set(inspect(connection).get_table_names()) - {"alembic_version"}
+
+
+# What each migration adds (checked after upgrading an empty database, gone after downgrading).
+def _added_0001(connection: Connection) -> None:
+    assert tables(connection) >= {"runs", "run_stages", "outputs", "config_snapshots"}
+    assert {"id", "status", "prompt", "request", "parameters", "seed", "config_hash", "fingerprint",
+            "error", "text"} <= columns(connection, "runs")
+    indexes = {i["name"] for i in inspect(connection).get_indexes("runs")}
+    assert {"ix_runs_status", "ix_runs_model", "ix_runs_fingerprint", "ix_runs_config_hash",
+            "ix_runs_created_at", "ix_runs_source"} <= indexes
+
+
+def _removed_0001(connection: Connection) -> None:
+    assert not tables(connection) & {"runs", "run_stages", "outputs", "config_snapshots"}
+
+
+def _added_0002(connection: Connection) -> None:
+    assert "owner" in columns(connection, "runs")
+    assert "ix_runs_owner" in {i["name"] for i in inspect(connection).get_indexes("runs")}
+
+
+def _removed_0002(connection: Connection) -> None:
+    assert "owner" not in columns(connection, "runs")
+
+
+# Rows put in at the previous revision, and what must hold for them after the migration.
+def _populate_before_0001(connection: Connection) -> None:
+    # A database that already holds something else (e.g. a shared PostgreSQL database).
+    connection.execute(text("CREATE TABLE unrelated (id INTEGER PRIMARY KEY, note VARCHAR(20))"))
+    connection.execute(text("INSERT INTO unrelated (id, note) VALUES (1, 'keep me')"))
+
+
+def _check_after_0001(connection: Connection) -> None:
+    assert connection.execute(text("SELECT note FROM unrelated")).scalar() == "keep me"
+
+
+def _populate_before_0002(connection: Connection) -> None:
+    connection.execute(
+        text("INSERT INTO config_snapshots (hash, body, family, model_name, created_at) "
+             "VALUES (:h, :b, 'glm_image', 'tiny', :t)"),
+        {"h": "a" * 64, "b": json.dumps({"family": "glm_image"}), "t": NOW},
+    )
+    for run_id, status in (("r1", "succeeded"), ("r2", "running")):
+        connection.execute(
+            text("INSERT INTO runs (id, source, created_at, status, prompt, model, request, parameters, seed, "
+                 "config_hash) VALUES (:id, 'api', :t, :s, 'a fox', 'tiny', '{}', '{\"seed\": 3}', 3, :h)"),
+            {"id": run_id, "t": NOW, "s": status, "h": "a" * 64},
+        )
+    connection.execute(
+        text("INSERT INTO run_stages (run_id, variant_index, stage_id, kind, status, queue_seconds, "
+             "input_tokens, output_tokens, batch_size) VALUES ('r1', 0, 0, 'ar', 'succeeded', 0.5, 3, 9, 1)")
+    )
+    connection.execute(
+        text("INSERT INTO outputs (run_id, \"index\", kind, sha256, mime, width, height, size_bytes) "
+             "VALUES ('r1', 0, 'image', :sha, 'image/png', 32, 32, 100)"),
+        {"sha": "b" * 64},
+    )
+
+
+def _check_after_0002(connection: Connection) -> None:
+    rows = connection.execute(text("SELECT id, status, owner, seed FROM runs ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [("r1", "succeeded", None, 3), ("r2", "running", None, 3)]
+    assert connection.execute(text("SELECT output_tokens FROM run_stages")).scalar() == 9
+    assert connection.execute(text("SELECT sha256 FROM outputs")).scalar() == "b" * 64
+
+
+ADDED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
+    "0001": (_added_0001, _removed_0001),
+    "0002": (_added_0002, _removed_0002),
+}
+POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
+    "0001": (_populate_before_0001, _check_after_0001),
+    "0002": (_populate_before_0002, _check_after_0002),
+}
+
+
+def previous(revision: str) -> str:
+    index = REVISIONS.index(revision)
+    return REVISIONS[index - 1] if index else "base"
+
+
+@pytest.fixture
+def engine(db_url: str) -> Engine:
+    engine = create_store_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+def test_every_migration_has_tests() -> None:
+    assert REVISIONS, "no migrations found"
+    assert set(REVISIONS) == set(ADDED) == set(POPULATED), "a migration without its tests"
+    assert REVISIONS[-1] == head_revision()
+
+
+@pytest.mark.parametrize("revision", REVISIONS)
+def test_migration_on_empty_database(engine: Engine, revision: str) -> None:
+    added, removed = ADDED[revision]
+    upgrade_schema(engine, revision)
+    assert current_revision(engine) == revision
+    with engine.connect() as connection:
+        added(connection)
+    downgrade_schema(engine, previous(revision))
+    assert current_revision(engine) == (None if previous(revision) == "base" else previous(revision))
+    with engine.connect() as connection:
+        removed(connection)
+
+
+@pytest.mark.parametrize("revision", REVISIONS)
+def test_migration_on_populated_database(engine: Engine, revision: str) -> None:
+    populate, check = POPULATED[revision]
+    if previous(revision) != "base":
+        upgrade_schema(engine, previous(revision))
+    with engine.begin() as connection:
+        populate(connection)
+    upgrade_schema(engine, revision)
+    with engine.connect() as connection:
+        check(connection)
+        ADDED[revision][0](connection)
+
+
+def test_models_match_the_migrated_schema(engine: Engine) -> None:
+    upgrade_schema(engine)
+    with engine.connect() as connection:
+        diffs = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+    assert diffs == []
+
+
+def test_open_store_migrates_an_old_database_and_interrupts_its_unowned_runs(
+    db_url: str, data_dir: Path, engine: Engine
+) -> None:
+    upgrade_schema(engine, "0001")
+    with engine.begin() as connection:
+        _populate_before_0002(connection)
+    store = open_store(db_url, data_dir)
+    try:
+        assert current_revision(engine) == head_revision()
+        assert store.interrupted_at_open == 1  # r2 was running with no owner that could finish it
+        assert store.get_run("r2").status == "interrupted"
+        assert store.get_run("r1").status == "succeeded"
+    finally:
+        store.close()
+
+
+def test_open_refuses_a_database_from_a_newer_version(db_url: str, data_dir: Path, engine: Engine) -> None:
+    upgrade_schema(engine)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    with pytest.raises(StoreError, match="9999.*newer omni-studio"):
+        open_store(db_url, data_dir)
