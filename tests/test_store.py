@@ -314,3 +314,35 @@ def test_kill_9_during_a_run_leaves_it_interrupted_not_running(db_url: str, data
         assert restarted.interrupted_at_open == 1
         assert restarted.get_run(run_id).status == "interrupted"
         assert restarted.count_runs(RunFilter(status=["queued", "running"])) == 0
+
+
+WRITER_PROCESS = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from studio.store import open_store
+    store = open_store(sys.argv[1], Path(sys.argv[2]))
+    for i in range(int(sys.argv[3])):
+        run_id = store.create_run(source="api", prompt=f"{sys.argv[4]} {i}", model="m", request={},
+                                  parameters={"i": i}, config={"family": "f", "model": {"name": "m"}})
+        store.mark_running(run_id)
+        store.add_stage(run_id, stage_id=0, kind="ar", status="succeeded", started_at=0, finished_at=1)
+        store.add_output(run_id, 0, f"{sys.argv[4]} {i}".encode(), "text/plain")
+        store.finish_run(run_id, "succeeded")
+    store.close()
+""")
+
+
+def test_two_processes_writing_at_once_lose_nothing(db_url: str, data_dir: Path) -> None:
+    """Several studio processes on one database (the reason to use PostgreSQL; SQLite must cope too)."""
+    with open_store(db_url, data_dir):  # migrate first, so the writers race on rows, not on the schema
+        pass
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER_PROCESS, db_url, str(data_dir), "40", name], cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+        for name in ("alpha", "beta")
+    ]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0]
+    with open_store(db_url, data_dir) as store:
+        assert store.count_runs(RunFilter(status="succeeded")) == 80
+        assert store.count_runs(RunFilter(search="alpha")) == store.count_runs(RunFilter(search="beta")) == 40
+        assert all(len(store.get_run(r.id).stages) == 1 for r in store.list_runs(limit=100))
