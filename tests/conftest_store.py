@@ -17,6 +17,7 @@ from PIL import Image
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
+from engine import OmniEngine, build_engine
 from engine.config import PipelineConfig
 from engine.engine import build_pipeline_config
 from engine.events import RunFailed, RunFinished, RunOutput, StageFinished, StageStarted
@@ -85,6 +86,25 @@ def recorder(store: RunStore) -> Iterator[RunRecorder]:
     yield recorder
     recorder.close()
     assert recorder.errors == 0, recorder.last_error
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmniEngine]:
+    """The real tiny GLM-Image engine, built once for the store tests (model cache shared with the suite)."""
+    cache = os.environ.get("OMNI_STUDIO_TEST_MODEL_CACHE") or str(tmp_path_factory.mktemp("models"))
+    previous = os.environ.get("OMNI_STUDIO_MODEL_CACHE")
+    os.environ["OMNI_STUDIO_MODEL_CACHE"] = cache
+    try:
+        # Batches of 4 on both stages: concurrent requests overlap in the engine as they would in a server.
+        deploy = {"stages": [{"stage_id": 0, "max_num_seqs": 4}, {"stage_id": 1, "max_num_seqs": 4}]}
+        engine = build_engine("tiny-glm-image", deploy, data_dir=Path(cache))
+    finally:
+        if previous is None:
+            os.environ.pop("OMNI_STUDIO_MODEL_CACHE", None)
+        else:
+            os.environ["OMNI_STUDIO_MODEL_CACHE"] = previous
+    yield engine
+    engine.close()
 
 
 # -- building requests and events by hand (the engine's own types) -------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -121,15 +120,26 @@ def test_a_bad_database_url_is_a_clear_error(data_dir: Path, capsys: pytest.Capt
     assert code == 2 and "nosuchdb://x" in err
 
 
+class _EngineKeptOpen:
+    """The shared test engine as `cmd_run` sees it: `run` closes its engine at the end; this one lives on."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        pass
+
+
 def test_omni_studio_run_is_recorded(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
-                                     monkeypatch: pytest.MonkeyPatch,
-                                     tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The real `run` command, once (it loads the engine): no --db, so the default SQLite in the data dir.
+                                     monkeypatch: pytest.MonkeyPatch, tiny_engine) -> None:
+    """The real `run` command (on the already loaded tiny engine) with no --db: SQLite in the data dir.
 
     Recording itself goes through the same RunRecorder the other tests run on both databases.
     """
-    cache = os.environ.get("OMNI_STUDIO_TEST_MODEL_CACHE") or str(tmp_path_factory.getbasetemp() / "models")
-    monkeypatch.setenv("OMNI_STUDIO_MODEL_CACHE", cache)
+    monkeypatch.setattr("studio.runtime.start_engine", lambda args: _EngineKeptOpen(tiny_engine))
     out_file = tmp_path / "fox.png"
     code = main(["run", "a red fox", "--out", str(out_file), "--seed", "5", "--steps", "1", "--height", "32",
                  "--width", "32", "--quiet", "--data-dir", str(data_dir)])
@@ -142,6 +152,7 @@ def test_omni_studio_run_is_recorded(data_dir: Path, tmp_path: Path, capsys: pyt
         run = store.get_run(summary.id)
     assert (run.source, run.status, run.prompt, run.seed, run.fingerprint) == ("cli", "succeeded", "a red fox", 5, None)
     assert run.request["steps"] == 1 and run.model == "tiny-glm-image"
+    assert run.config_hash == tiny_engine.config_hash
     assert len(run.stages) == 2 and all(s.status == "succeeded" for s in run.stages)
     [image] = run.images
     assert image.path.read_bytes() == out_file.read_bytes()  # the file the user got is the one recorded

@@ -255,26 +255,6 @@ def test_close_writes_everything_queued(store: RunStore, pipeline_config: Pipeli
 # -- with the real engine ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory: pytest.TempPathFactory):
-    from engine import build_engine
-
-    cache = os.environ.get("OMNI_STUDIO_TEST_MODEL_CACHE") or str(tmp_path_factory.mktemp("models"))
-    previous = os.environ.get("OMNI_STUDIO_MODEL_CACHE")
-    os.environ["OMNI_STUDIO_MODEL_CACHE"] = cache
-    try:
-        # Batches of 4 on both stages: the 8 requests below overlap in the engine as they would in a server.
-        deploy = {"stages": [{"stage_id": 0, "max_num_seqs": 4}, {"stage_id": 1, "max_num_seqs": 4}]}
-        engine = build_engine("tiny-glm-image", deploy, data_dir=Path(cache))
-    finally:
-        if previous is None:
-            os.environ.pop("OMNI_STUDIO_MODEL_CACHE", None)
-        else:
-            os.environ["OMNI_STUDIO_MODEL_CACHE"] = previous
-    yield engine
-    engine.close()
-
-
 @pytest.fixture
 def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> RunStore:
     """The database several studio processes would share: PostgreSQL when the suite has it, else SQLite."""
