@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import torch
-
 
 class OutputModality(StrEnum):
     """The kinds of output a stage can produce."""
@@ -126,6 +124,8 @@ def normalize_output_keys(payload: Mapping[str, Any], declared: OutputModality) 
 
 
 def _concat_dim0(old: Any, new: Any) -> Any:
+    import torch  # here, not at import time: validating a config should not load torch
+
     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
         if old.dim() == 0:
             old = old.reshape(1)

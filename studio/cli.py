@@ -21,37 +21,43 @@ class CLIError(Exception):
     """A user error: printed without a traceback, exit code 2."""
 
 
-def _shared_options() -> argparse.ArgumentParser:
+def _shared_options(defaults: bool = True) -> argparse.ArgumentParser:
+    """The flags every command takes. Subcommands get them with ``defaults=False`` (SUPPRESS), so a flag
+    given before the subcommand (``omni-studio --db X history ls``) is not overwritten by its default."""
     shared = argparse.ArgumentParser(add_help=False)
+
+    def _d(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
     g = shared.add_argument_group("model and pipeline")
-    g.add_argument("--model", default=None,
+    g.add_argument("--model", default=_d(None),
                    help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {DEFAULT_MODEL}) or a local HF-format folder")
-    g.add_argument("--deploy-config", default=None, metavar="YAML", help="deploy config (stage settings) to apply")
-    g.add_argument("--ar-backend", choices=AR_BACKENDS, default=None,
+    g.add_argument("--deploy-config", default=_d(None), metavar="YAML", help="deploy config (stage settings) to apply")
+    g.add_argument("--ar-backend", choices=AR_BACKENDS, default=_d(None),
                    help="backend of every AR stage (default: each stage's `backend`, else auto)")
-    g.add_argument("--served-model-name", default=None, help="model name the API answers to (default: the model's name)")
+    g.add_argument("--served-model-name", default=_d(None), help="model name the API answers to (default: the model's name)")
     s = shared.add_argument_group("serving")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=7860)
-    s.add_argument("--share", action="store_true", help="create a public Gradio share link (UI and API)")
-    s.add_argument("--auth", default=None, metavar="USER:PASS", help="protect the UI with a login")
-    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    s.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES, default="full",
+    s.add_argument("--host", default=_d("127.0.0.1"))
+    s.add_argument("--port", type=int, default=_d(7860))
+    s.add_argument("--share", action="store_true", default=_d(False), help="create a public Gradio share link (UI and API)")
+    s.add_argument("--auth", default=_d(None), metavar="USER:PASS", help="protect the UI with a login")
+    s.add_argument("--api-key", default=_d(None), help="require `Authorization: Bearer KEY` on /v1/*")
+    s.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES, default=_d("full"),
                    help="system_fingerprint in responses: full, hash, custom (needs --fingerprint-value) or none")
-    s.add_argument("--fingerprint-value", default=None, help="the literal fingerprint for --fingerprint-mode custom")
+    s.add_argument("--fingerprint-value", default=_d(None), help="the literal fingerprint for --fingerprint-mode custom")
     d = shared.add_argument_group("storage")
-    d.add_argument("--db", default=None, metavar="URL", help="SQLAlchemy URL of the run store (default: SQLite in the data dir)")
-    d.add_argument("--data-dir", default=None, type=Path, help="where runs, outputs and built models live")
+    d.add_argument("--db", default=_d(None), metavar="URL", help="SQLAlchemy URL of the run store (default: SQLite in the data dir)")
+    d.add_argument("--data-dir", default=_d(None), type=Path, help="where runs, outputs and built models live")
     return shared
 
 
 def build_parser() -> argparse.ArgumentParser:
-    shared = _shared_options()
+    shared = _shared_options(defaults=False)
     parser = argparse.ArgumentParser(
         prog="omni-studio",
         description="Omni Studio: a web studio, OpenAI-compatible API and run history over a multi-stage "
         "(AR -> diffusion) engine.",
-        parents=[shared],
+        parents=[_shared_options(defaults=True)],
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -316,6 +322,12 @@ def cmd_not_ready(args: argparse.Namespace) -> int:
     raise CLIError(f"'omni-studio {args.command}' is not available in this build yet")
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    from studio.ui.app import launch_studio
+
+    return launch_studio(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from studio.server import serve
 
@@ -326,6 +338,7 @@ COMMANDS = {
     "history": cmd_history,
     "run": cmd_run,
     "serve": cmd_serve,
+    "ui": cmd_ui,
     "validate": cmd_validate,
 }
 

@@ -5,27 +5,33 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine import OmniEngine
-from engine.config import DeployConfigError
-from engine.engine import EngineBuildError, build_pipeline_config
-from engine.models import ModelNotFound, describe_model, materialize
+from typing import TYPE_CHECKING
+
 from engine.paths import default_data_dir, model_cache_dir
-from engine.pipelines import UnknownModelFamily
+
+if TYPE_CHECKING:
+    from engine import OmniEngine
 
 
 def quiet_libraries() -> None:
     """Keep the terminal for our own progress: no library progress bars, warnings only when they matter."""
     import os
+    import sys
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import diffusers
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
+    # Environment first: commands that never load a model (history, validate) stay free of the import.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        transformers = sys.modules["transformers"]
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    if "diffusers" in sys.modules:
+        diffusers = sys.modules["diffusers"]
+        diffusers.utils.logging.set_verbosity_error()
+        diffusers.utils.logging.disable_progress_bar()
 
 
 class StartupError(Exception):
@@ -40,6 +46,12 @@ def data_dir_from(args: argparse.Namespace) -> Path:
 
 def start_engine(args: argparse.Namespace, max_pending: int = 64) -> OmniEngine:
     """Validate the deploy config against the model, build the model if built in, load every stage."""
+    from engine import OmniEngine
+    from engine.config import DeployConfigError
+    from engine.engine import EngineBuildError, build_pipeline_config
+    from engine.models import ModelNotFound, describe_model, materialize
+    from engine.pipelines import UnknownModelFamily
+
     model = getattr(args, "model_arg", None) or args.model
     try:
         source = describe_model(model)

@@ -37,6 +37,10 @@ log = logging.getLogger("omni_studio.api")
 SHA_FILE = re.compile(r"^([0-9a-f]{64})\.png$")
 EDIT_INT_FIELDS = ("n", "seed", "num_inference_steps", "height", "width")
 EDIT_FLOAT_FIELDS = ("guidance_scale",)
+# Refusals of generation requests are recorded as failed runs: nothing a client sent is lost. (401s are
+# not: recording unauthenticated traffic would let anyone fill the history.)
+RECORDED_ENDPOINTS = ("chat_completions", "images_generations", "images_edits")
+RECORDED_STATUSES = (400, 404, 413, 422, 429, 500, 503)
 
 
 @dataclass(frozen=True)
@@ -159,9 +163,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except ValueError as exc:
+        request.state.omni_payload = {"raw_body": body[:2000].decode(errors="replace")}
         raise APIError(400, f"The body is not valid JSON: {exc}", None, "invalid_json") from exc
     if not isinstance(data, dict):
         raise APIError(400, "The body must be a JSON object", None, "invalid_json")
+    request.state.omni_payload = data
     return data
 
 
@@ -205,6 +211,23 @@ async def read_edit_form(request: Request, state: ServingState) -> tuple[dict[st
     return fields, image
 
 
+def record_rejection(state: ServingState, request: Request, error: APIError) -> None:
+    recorder = state.recorder
+    if recorder is None or not hasattr(recorder, "record_rejected"):
+        return
+    payload = getattr(request.state, "omni_payload", None)
+    if payload is None:
+        payload = {"path": request.url.path, "note": "the body could not be read"}
+    handlers = state.handlers
+    try:
+        error.run_id = recorder.record_rejected(
+            state.source, payload, f"{error.status} {error.type}: {error.message}", state.served_model_name,
+            state.engine.config if state.engine else None, handlers.system_fingerprint if handlers else None,
+        )
+    except Exception:  # recording must never turn a clear 4xx into a 500
+        log.exception("could not record a rejected request")
+
+
 Endpoint = Callable[[Request, ServingState], Awaitable[Response]]
 
 
@@ -220,6 +243,8 @@ def _endpoint(state: ServingState, name: str, handler: Endpoint, *, auth: bool =
             return response
         except APIError as exc:
             status = exc.status
+            if name in RECORDED_ENDPOINTS and exc.status in RECORDED_STATUSES and exc.run_id is None:
+                record_rejection(state, request, exc)
             return exc.response()
         except Exception as exc:  # never let one request take the server down
             log.exception("unhandled error in %s", name)
@@ -259,6 +284,7 @@ async def _images_edits(request: Request, state: ServingState) -> Response:
     handlers = state.require_handlers()
     fields, image = await read_edit_form(request, state)
     payload = {**fields, "image": "<uploaded file>"}
+    request.state.omni_payload = payload
     return await handlers.images.generate(parse(ImageGenerationRequest, fields), payload, request, image=image)
 
 

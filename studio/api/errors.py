@@ -28,6 +28,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.run_id: str | None = None  # set once the failure is recorded as a run
 
     @property
     def type(self) -> str:
@@ -37,8 +38,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.run_id:
+            headers["X-Run-Id"] = self.run_id
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def _param(loc: tuple[Any, ...]) -> str:

@@ -121,10 +121,12 @@ class OpenAIServing:
                 first = await agen.__anext__()
             except EngineBusy as exc:
                 tracker.fail(f"rejected: queue full ({exc})")
-                raise APIError(429, f"The server is busy: {exc}. Retry later.", None, "queue_full") from exc
+                raise recorded(APIError(429, f"The server is busy: {exc}. Retry later.", None, "queue_full"),
+                               tracker) from exc
             except EngineClosed as exc:
                 tracker.fail("rejected: the engine is being replaced")
-                raise APIError(503, "The engine is restarting; retry shortly", None, "engine_not_ready") from exc
+                raise recorded(APIError(503, "The engine is restarting; retry shortly", None, "engine_not_ready"),
+                               tracker) from exc
             self.observe(tracker, first)
             yield first
             async for event in agen:
@@ -137,6 +139,14 @@ class OpenAIServing:
         self, resolved: ResolvedRequest, tracker: RunTracking, raw_request: Request | None
     ) -> RunFinished:
         """Run a non-streaming request; a client that goes away cancels it (recorded as cancelled)."""
+        try:
+            return await self._run_to_completion(resolved, tracker, raw_request)
+        except APIError as exc:
+            raise recorded(exc, tracker) from None
+
+    async def _run_to_completion(
+        self, resolved: ResolvedRequest, tracker: RunTracking, raw_request: Request | None
+    ) -> RunFinished:
 
         async def consume() -> EngineEvent | None:
             terminal = None
@@ -169,6 +179,12 @@ class OpenAIServing:
                 raise APIError(400, terminal.message)
             raise APIError(500, f"The engine failed: {terminal.message}", None, "engine_error")
         raise APIError(500, "the engine ended the request without a result", None, "engine_error")
+
+
+def recorded(error: APIError, tracker: RunTracking) -> APIError:
+    """Mark ``error`` as already recorded (under ``tracker``'s run) so it is not recorded twice."""
+    error.run_id = tracker.run_id or None
+    return error
 
 
 def usage_of(result: RunFinished) -> dict[str, int]:

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,24 @@ def compact_payload(value: Any) -> Any:
         digest = hashlib.sha256(value.encode()).hexdigest()[:16]
         return f"{header},<{len(value)} characters omitted; sha256 {digest}>"
     return value
+
+
+def _prompt_of(payload: Any) -> str:
+    """The newest user text of a chat payload, or an images payload's prompt (best effort)."""
+    if not isinstance(payload, dict):
+        return ""
+    if isinstance(payload.get("prompt"), str):
+        return payload["prompt"]
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        for message in reversed(messages):
+            if isinstance(message, dict) and message.get("role") == "user":
+                content = message.get("content")
+                if isinstance(content, str):
+                    return content
+                if isinstance(content, list):
+                    return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
 
 
 class RunRecorder:
@@ -208,6 +227,39 @@ class RunRecorder:
                                               image.height, kind="source"),
             )
         return RunTracker(self, run_id)
+
+    def record_rejected(
+        self,
+        source: str,
+        request_payload: dict[str, Any] | None,
+        error: str,
+        model_name: str,
+        config: PipelineConfig | None,
+        fingerprint: str | None,
+        status: str = "failed",
+    ) -> str:
+        """Record a request refused before the engine ran it (bad field, unknown model, queue full...).
+
+        Nothing a client sends is lost: the run shows in history as failed with the error text.
+        """
+        if source not in RUN_SOURCES:
+            raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
+        run_id = uuid.uuid4().hex
+        created = time.time()
+        payload = compact_payload(request_payload or {})
+        prompt = _prompt_of(payload)
+        body, config_hash = self._config_body(config) if config is not None else (None, None)
+
+        def write() -> None:
+            self.store.create_run(
+                source=source, prompt=prompt, model=model_name, request=payload, parameters={}, seed=None,
+                config=body, config_hash=config_hash, fingerprint=fingerprint, run_id=run_id,
+                created_at=created,
+            )
+            self.store.finish_run(run_id, status, error=error, at=created)
+
+        self.submit(f"record rejected request {run_id}", write)
+        return run_id
 
     def _config_body(self, config: PipelineConfig) -> tuple[dict[str, Any], str]:
         """``config.to_dict()`` and its hash, computed once per config object (a server has one or two)."""

@@ -1,0 +1,321 @@
+"""The running studio: one engine, the API's serving state over it, the run store, and pipeline changes.
+
+The UI is a thin layer over this object (and the API and CLI call the same engine and store): nothing is
+computed only in the UI. Applying a deploy config builds a new engine alongside the running one and
+swaps it in only when it started; a config that fails validation or start-up leaves the old engine
+serving. History survives because the store is independent of the engine.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine import GenerationRequest, OmniEngine, ResolvedRequest
+from engine.config import ConfigProblem, DeployConfigError, PipelineConfig, parse_deploy_yaml_text
+from engine.engine import EngineBuildError, build_pipeline_config, device_problems
+from engine.events import EngineEvent
+from engine.modality import OutputModality
+from engine.models import ModelSource, describe_model, materialize
+from engine.paths import DEPLOY_PRESETS_DIR, model_cache_dir
+from engine.pipelines import UnknownModelFamily
+from engine.tiny import BUILTIN_MODELS
+from studio.api.app import ServingState
+
+log = logging.getLogger("omni_studio")
+
+PRESETS: dict[str, tuple[str | None, str]] = {
+    # label -> (model the preset is for, file in assets/deploy); None: the running model's own preset
+    "tiny demo (this model's CPU defaults)": (None, ""),
+    "GLM-Image on 1 GPU": ("glm-image", "glm-image-1gpu.yaml"),
+    "GLM-Image on 2 GPUs": ("glm-image", "glm-image-2gpu.yaml"),
+}
+
+
+@dataclass
+class ValidationReport:
+    ok: bool
+    problems: list[ConfigProblem] = field(default_factory=list)
+    config: PipelineConfig | None = None
+    summary: str = ""
+
+    def by_stage(self) -> dict[int | str | None, list[ConfigProblem]]:
+        grouped: dict[int | str | None, list[ConfigProblem]] = {}
+        for problem in self.problems:
+            grouped.setdefault(problem.stage, []).append(problem)
+        return grouped
+
+
+@dataclass
+class ShareInfo:
+    requested: bool = False
+    url: str | None = None
+    username: str | None = None
+    password: str | None = None
+    api_key_generated: bool = False
+    message: str = ""
+
+
+def generate_secret(nbytes: int = 12) -> str:
+    return secrets.token_urlsafe(nbytes)
+
+
+class Studio:
+    """Owns the engine's lifecycle and everything the UI shows about it."""
+
+    def __init__(
+        self,
+        engine: OmniEngine,
+        serving: ServingState,
+        data_dir: Path,
+        recorder: Any | None = None,
+        store: Any | None = None,
+        deploy_text: str | None = None,
+        ar_backend: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.serving = serving
+        self.data_dir = Path(data_dir)
+        self.recorder = recorder
+        self.store = store
+        self.ar_backend = ar_backend
+        self.deploy_text = deploy_text if deploy_text is not None else self.default_deploy_text(engine.model)
+        self.share = ShareInfo()
+        self.base_url = ""
+        self._apply_lock = threading.Lock()
+
+    # -- model and deploy config ----------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelSource:
+        return self.engine.model
+
+    @property
+    def config(self) -> PipelineConfig:
+        return self.engine.config
+
+    @staticmethod
+    def default_deploy_text(model: ModelSource) -> str:
+        """The deploy YAML a model runs with when none is given (its preset, else the bare topology)."""
+        if model.default_deploy_path is not None:
+            return model.default_deploy_path.read_text()
+        return "# built-in topology defaults; add per-stage keys to tune\nstages:\n" + "".join(
+            f"- stage_id: {t.stage_id}\n" for t in model.family.templates
+        )
+
+    def preset_names(self) -> list[str]:
+        return list(PRESETS)
+
+    def preset_text(self, name: str) -> str:
+        family, filename = PRESETS[name]
+        if family is None:
+            return self.default_deploy_text(self.model)
+        path = DEPLOY_PRESETS_DIR / filename
+        text = path.read_text()
+        if family != self.model.family.name:
+            text = f"# note: this preset is for {family} models; the running model is {self.model.family.name}\n" + text
+        return text
+
+    def validate_text(self, text: str, check_devices: bool = True) -> ValidationReport:
+        """Validate deploy YAML against the running model (and, by default, this machine's devices)."""
+        try:
+            data = parse_deploy_yaml_text(text)
+            config = build_pipeline_config(self.model, data if data is not None else {}, self.ar_backend)
+            problems = device_problems(config) if check_devices else []
+        except DeployConfigError as exc:
+            return ValidationReport(False, exc.problems)
+        if problems:
+            return ValidationReport(False, problems, config)
+        from studio.cli import summarize_pipeline
+
+        return ValidationReport(True, [], config, summarize_pipeline(config))
+
+    def diff_text(self, text: str) -> str:
+        """Unified diff of ``text`` against the running deploy YAML."""
+        diff = difflib.unified_diff(
+            self.deploy_text.splitlines(), text.splitlines(), "running", "edited", lineterm="", n=2
+        )
+        return "\n".join(diff) or "(no changes)"
+
+    def apply_text(self, text: str) -> ValidationReport:
+        """Rebuild the engine with ``text``; on any failure the running engine keeps serving."""
+        report = self.validate_text(text)
+        if not report.ok:
+            return report
+        try:
+            self._swap(report.config, self.model)
+        except ApplyFailed as exc:
+            return ValidationReport(False, [ConfigProblem(None, "", f"the new engine did not start: {exc}")])
+        self.deploy_text = text
+        return report
+
+    def switch_model(self, model: str) -> ValidationReport:
+        """Serve another model (built-in name or folder) with its default deploy config."""
+        try:
+            source = describe_model(model)
+            text = self.default_deploy_text(source)
+            config = build_pipeline_config(source, yaml.safe_load(text) or {}, self.ar_backend)
+        except DeployConfigError as exc:
+            return ValidationReport(False, exc.problems)
+        except (ValueError, UnknownModelFamily) as exc:
+            return ValidationReport(False, [ConfigProblem(None, "model", str(exc))])
+        try:
+            self._swap(config, source)
+        except ApplyFailed as exc:
+            return ValidationReport(False, [ConfigProblem(None, "model", f"{model} did not start: {exc}")])
+        self.deploy_text = text
+        from studio.cli import summarize_pipeline
+
+        return ValidationReport(True, [], config, summarize_pipeline(config))
+
+    def _swap(self, config: PipelineConfig, source: ModelSource) -> None:
+        with self._apply_lock:
+            source = materialize(source, model_cache_dir(self.data_dir))
+            try:
+                new_engine = OmniEngine.start(config, source, max_pending=self.engine.max_pending)
+            except (EngineBuildError, DeployConfigError) as exc:
+                raise ApplyFailed(str(exc)) from exc
+            old = self.engine
+            self.engine = new_engine
+            self.serving.set_engine(new_engine)  # re-applies the fingerprint mode over the new config hash
+            threading.Thread(target=self._retire, args=(old,), daemon=True, name="omni-retire-engine").start()
+
+    @staticmethod
+    def _retire(engine: OmniEngine, grace_s: float = 120.0) -> None:
+        """Let requests already running on the old engine finish, then release it."""
+        import time
+
+        deadline = time.monotonic() + grace_s
+        while engine.in_flight and time.monotonic() < deadline:
+            time.sleep(0.2)
+        engine.close()
+
+    # -- serving --------------------------------------------------------------------------------
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        handlers = self.serving.handlers
+        return handlers.system_fingerprint if handlers else None
+
+    def set_fingerprint(self, mode: str, value: str | None) -> str | None:
+        return self.serving.set_fingerprint(mode, value)
+
+    def set_api_key(self, key: str | None) -> None:
+        self.serving.set_api_key(key)
+
+    @property
+    def api_key(self) -> str | None:
+        return self.serving.options.api_key
+
+    def endpoint_url(self) -> str:
+        base = (self.share.url or self.base_url).rstrip("/")
+        return f"{base}/v1"
+
+    def snippets(self) -> tuple[str, str]:
+        """Ready-to-paste curl and Python (openai SDK) calls against this server."""
+        url = self.endpoint_url()
+        model = self.serving.served_model_name
+        key = self.api_key or "unused"
+        family = self.config.family
+        extra = '"height": 64, "width": 64, "num_inference_steps": 4' if family != "chat" else '"max_tokens": 32'
+        curl = (
+            f"curl {url}/chat/completions \\\n"
+            f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+            f"  -d '{{\"model\": \"{model}\", \"seed\": 42,\n"
+            f"       \"messages\": [{{\"role\": \"user\", \"content\": \"a red circle on a blue background\"}}],\n"
+            f"       {extra}}}'"
+        )
+        python_extra = ("extra_body={\"height\": 64, \"width\": 64, \"num_inference_steps\": 4}"
+                        if family != "chat" else "max_tokens=32")
+        python = (
+            "from openai import OpenAI\n\n"
+            f"client = OpenAI(base_url=\"{url}\", api_key=\"{key}\")\n"
+            "response = client.chat.completions.create(\n"
+            f"    model=\"{model}\",\n"
+            "    messages=[{\"role\": \"user\", \"content\": \"a red circle on a blue background\"}],\n"
+            f"    seed=42,\n    {python_extra},\n)\n"
+            "print(response.choices[0].message.content)\n"
+        )
+        return curl, python
+
+    # -- runs from the UI -----------------------------------------------------------------------
+
+    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
+        return self.engine.resolve(request)
+
+    async def run(self, resolved: ResolvedRequest, payload: dict[str, Any]) -> AsyncIterator[tuple[str, EngineEvent]]:
+        """Run a UI request through the engine, recording it; yields (run id, event)."""
+        engine = self.engine
+        tracker = None
+        if self.recorder is not None:
+            tracker = self.recorder.start_run(
+                "ui", resolved, engine.config, self.serving.served_model_name, self.system_fingerprint, payload
+            )
+        finished = False
+        agen = engine.generate(resolved)
+        try:
+            async for event in agen:
+                if tracker is not None:
+                    tracker.observe(event)
+                yield resolved.request_id, event
+            finished = True
+        finally:
+            if not finished and tracker is not None:
+                tracker.fail("stopped from the studio", cancelled=True)
+            await agen.aclose()
+
+    def request_from_run(self, run_id: str) -> tuple[GenerationRequest, Any]:
+        """The request that reproduces a recorded run: same prompt, parameters, seed and source image."""
+        from PIL import Image
+
+        from engine import ChatTurn
+        from studio.api.inputs import params_from_fields
+
+        detail = self.store.get_run(run_id)
+        params = dict(detail.parameters)
+        fields = {k: params.get(k) for k in ("seed", "height", "width", "num_inference_steps", "guidance_scale",
+                                             "negative_prompt", "temperature", "top_p", "top_k", "n")}
+        if self.config.family == "chat":
+            fields["max_tokens"] = params.get("max_tokens")
+        image = None
+        source = next((o for o in detail.outputs if o.kind == "source"), None)
+        if source is not None:
+            with Image.open(source.path) as opened:
+                image = opened.convert("RGB")
+        history: tuple[ChatTurn, ...] = ()
+        messages = (detail.request or {}).get("messages")
+        if isinstance(messages, list) and len(messages) > 1:
+            history = tuple(
+                ChatTurn(m.get("role", "user"), m["content"]) for m in messages[:-1]
+                if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
+        modalities = tuple(OutputModality(m) for m in params.get("modalities") or []) or None
+        request = GenerationRequest(detail.prompt, params_from_fields(fields), image=image, history=history,
+                                    modalities=modalities)
+        return request, detail
+
+    def cancel(self, run_id: str | None) -> bool:
+        return bool(run_id) and self.engine.cancel(run_id)
+
+    def builtin_models(self) -> list[str]:
+        names = list(BUILTIN_MODELS)
+        if self.model.name not in names:
+            names.append(str(self.model.path or self.model.name))
+        return names
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.recorder is not None:
+            self.recorder.close()
+
+
+class ApplyFailed(RuntimeError):
+    """The new engine did not start; the old one is still serving."""

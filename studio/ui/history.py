@@ -1,0 +1,269 @@
+"""The History tab: every run from the UI, the API and the CLI — search and filters, a gallery, run
+detail with per-stage timings, Re-run with the exact parameters, Compare two runs, export/import, delete."""
+
+from __future__ import annotations
+
+import html
+import json
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import pandas as pd
+import yaml
+
+from engine.events import RunFailed, RunFinished
+from studio.controller import Studio
+from studio.media import png_bytes
+
+PAGE_SIZE = 50
+COLUMNS = ["id", "created", "source", "status", "model", "prompt", "seconds", "seed", "fingerprint", "config"]
+STATUSES = ["any", "queued", "running", "succeeded", "failed", "cancelled", "interrupted"]
+
+
+def _date(value: str, end: bool = False) -> datetime | None:
+    value = (value or "").strip()
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise gr.Error(f"Dates are YYYY-MM-DD (or an ISO time), got {value!r}") from None
+    if end and len(value) == 10:
+        parsed = parsed.replace(hour=23, minute=59, second=59)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def run_filter(search, status, model, fingerprint, config_hash, since, until):
+    from studio.store import RunFilter
+
+    return RunFilter(
+        search=search or None,
+        status=None if status in (None, "", "any") else status,
+        model=None if model in (None, "", "any") else model,
+        fingerprint=fingerprint or None,
+        config_hash=config_hash or None,
+        since=_date(since),
+        until=_date(until, end=True),
+    )
+
+
+def rows_of(runs: list[Any]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            [r.id[:12], r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.source, r.status, r.model,
+             (r.prompt[:60] + "…") if len(r.prompt) > 60 else r.prompt,
+             None if r.seconds is None else round(r.seconds, 2), r.seed, r.fingerprint or "",
+             (r.config_hash or "")[:8]]
+            for r in runs
+        ],
+        columns=COLUMNS,
+    )
+
+
+def timings_frame(detail: Any) -> pd.DataFrame:
+    return pd.DataFrame(
+        [{"stage": f"{s.stage_id} {s.kind}" + (f" #{s.variant_index}" if s.variant_index else ""),
+          "seconds": round(s.seconds or 0.0, 4), "status": s.status} for s in detail.stages],
+        columns=["stage", "seconds", "status"],
+    )
+
+
+def detail_markdown(detail: Any) -> str:
+    seconds = f"{detail.seconds:.2f} s" if detail.seconds is not None else "—"
+    lines = [
+        f"### Run `{detail.id}`",
+        f"**{detail.status}** · {detail.source} · {detail.model} · {detail.created_at:%Y-%m-%d %H:%M:%S} UTC · "
+        f"{seconds}",
+        f"**Prompt:** {html.escape(detail.prompt)}",
+        f"**Seed** {detail.seed} · **fingerprint** `{detail.fingerprint or 'none'}` · **config** "
+        f"`{(detail.config_hash or '')[:8]}`",
+    ]
+    if detail.text:
+        lines.append(f"**Text output:** {html.escape(detail.text[:2000])}")
+    if detail.error:
+        lines.append(f"<div class='omni-invalid'><b>Error:</b> {html.escape(detail.error)}</div>")
+    return "\n\n".join(lines)
+
+
+def build_history_tab(studio: Studio) -> dict[str, Any]:
+    store = studio.store
+    if store is None:
+        gr.Markdown("The run store is not available in this process.")
+        return {}
+    with gr.Row():
+        search = gr.Textbox(label="Prompt contains", scale=3, elem_id="omni-h-search")
+        status = gr.Dropdown(STATUSES, value="any", label="Status", scale=1)
+        model = gr.Dropdown(["any"], value="any", label="Model", allow_custom_value=True, scale=1)
+    with gr.Row():
+        fingerprint = gr.Textbox(label="Fingerprint", scale=2)
+        config_hash = gr.Textbox(label="Config hash (prefix)", scale=1)
+        since = gr.Textbox(label="From (YYYY-MM-DD)", scale=1)
+        until = gr.Textbox(label="To (YYYY-MM-DD)", scale=1)
+        find = gr.Button("Search", variant="primary", scale=1, elem_id="omni-h-find")
+    count = gr.Markdown("")
+    table = gr.Dataframe(rows_of([]), interactive=False, wrap=True, max_height=320, elem_id="omni-h-table")
+    gallery = gr.Gallery(label="Images of these runs", columns=8, height=170, allow_preview=False,
+                         elem_id="omni-h-gallery")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            run_id = gr.Textbox(label="Run id (click a row)", elem_id="omni-h-run-id")
+            detail = gr.Markdown("", elem_id="omni-h-detail")
+            timings = gr.BarPlot(timings_frame(type("D", (), {"stages": []})()), x="stage", y="seconds",
+                                 color="status", title="Per-stage time (s)", height=220, elem_id="omni-h-timings")
+            outputs = gr.Gallery(label="Outputs", columns=4, height=220, elem_id="omni-h-outputs")
+            with gr.Accordion("Request, parameters and config snapshot", open=False):
+                request_json = gr.JSON(label="Request as received")
+                parameters_json = gr.JSON(label="Resolved parameters")
+                config_yaml = gr.Code(language="yaml", label="Pipeline config snapshot", interactive=False)
+            with gr.Row():
+                rerun = gr.Button("Re-run (exact parameters)", variant="primary", elem_id="omni-h-rerun")
+                set_a = gr.Button("Compare as A")
+                set_b = gr.Button("Compare as B")
+                delete = gr.Button("Delete run", variant="stop")
+            rerun_result = gr.Markdown("", elem_id="omni-h-rerun-result")
+            rerun_image = gr.Image(label="Re-run output", type="filepath", interactive=False, height=200)
+        with gr.Column(scale=2):
+            gr.Markdown("### Compare two runs")
+            run_a = gr.Textbox(label="Run A", elem_id="omni-h-run-a")
+            run_b = gr.Textbox(label="Run B", elem_id="omni-h-run-b")
+            compare = gr.Button("Compare", elem_id="omni-h-compare")
+            diff_table = gr.Dataframe(pd.DataFrame(columns=["part", "key", "A", "B"]), interactive=False, wrap=True,
+                                      elem_id="omni-h-diff")
+            with gr.Row():
+                image_a = gr.Image(label="A", type="filepath", interactive=False, height=160)
+                image_b = gr.Image(label="B", type="filepath", interactive=False, height=160)
+            gr.Markdown("### Export / import")
+            export = gr.Button("Export these runs")
+            export_file = gr.File(label="Bundle", interactive=False)
+            import_file = gr.File(label="Import a bundle", file_types=[".zip"], type="filepath")
+            import_status = gr.Markdown("")
+
+    filters = [search, status, model, fingerprint, config_hash, since, until]
+    ids_state = gr.State([])
+
+    def do_search(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v):
+        flt = run_filter(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v)
+        runs = store.list_runs(flt, limit=PAGE_SIZE)
+        total = store.count_runs(flt)
+        images = []
+        for r in runs:
+            if r.thumbnail_sha256:
+                try:
+                    images.append((str(store.output_file(r.thumbnail_sha256)), f"{r.id[:8]} · {r.prompt[:30]}"))
+                except FileNotFoundError:
+                    pass
+        models = sorted({"any", studio.serving.served_model_name, *(r.model for r in runs)})
+        return (rows_of(runs), images, f"{total} run(s) match; showing {len(runs)}.", [r.id for r in runs],
+                gr.update(choices=models))
+
+    search_outputs = [table, gallery, count, ids_state, model]
+    find.click(do_search, filters, search_outputs, api_name="history_search")
+    search.submit(do_search, filters, search_outputs, api_visibility="private")
+
+    def show(run_id_v: str):
+        run_id_v = (run_id_v or "").strip()
+        if not run_id_v:
+            return [gr.skip()] * 7
+        try:
+            full = store.resolve_run_id(run_id_v)
+            d = store.get_run(full)
+        except LookupError as exc:
+            return [str(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+        images = [(str(o.path), f"{o.kind} {o.index}") for o in d.outputs if o.mime.startswith("image/")]
+        return (detail_markdown(d), timings_frame(d), images, d.request, d.parameters,
+                yaml.safe_dump(d.config or {}, sort_keys=False), full)
+
+    detail_outputs = [detail, timings, outputs, request_json, parameters_json, config_yaml, run_id]
+    run_id.submit(show, [run_id], detail_outputs, api_name="run_detail")
+
+    def on_select(ids: list[str], evt: gr.SelectData):
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        return ids[row] if 0 <= row < len(ids) else gr.skip()
+
+    table.select(on_select, [ids_state], [run_id], api_visibility="private").then(
+        show, [run_id], detail_outputs, api_visibility="private")
+
+    async def do_rerun(run_id_v: str):
+        run_id_v = (run_id_v or "").strip()
+        if not run_id_v:
+            yield "Pick a run first.", None
+            return
+        full = store.resolve_run_id(run_id_v)
+        request, original = studio.request_from_run(full)
+        resolved = studio.resolve(request)
+        yield f"Re-running `{full[:12]}` with seed {resolved.seed}…", None
+        async for rid, event in studio.run(resolved, {"rerun_of": full, "parameters": original.parameters}):
+            if isinstance(event, RunFinished):
+                new_hashes = []
+                path = None
+                for image in event.images:
+                    import hashlib
+
+                    data = png_bytes(image)
+                    new_hashes.append(hashlib.sha256(data).hexdigest())
+                    target = Path(tempfile.mkdtemp()) / "rerun.png"
+                    target.write_bytes(data)
+                    path = str(target)
+                old_hashes = [o.sha256 for o in original.images]
+                if old_hashes:
+                    same = "identical bytes ✓" if new_hashes == old_hashes else "different bytes ✗ (config changed?)"
+                else:
+                    same = "the original had no image to compare"
+                yield f"Re-run `{rid[:12]}` finished: {same}.", path
+            elif isinstance(event, RunFailed):
+                yield f"Re-run failed: {event.message}", None
+
+    rerun.click(do_rerun, [run_id], [rerun_result, rerun_image], api_name="rerun", concurrency_id="generate")
+
+    set_a.click(lambda r: r, [run_id], [run_a], api_visibility="private")
+    set_b.click(lambda r: r, [run_id], [run_b], api_visibility="private")
+
+    def do_compare(a: str, b: str):
+        try:
+            full_a, full_b = store.resolve_run_id(a.strip()), store.resolve_run_id(b.strip())
+        except LookupError as exc:
+            raise gr.Error(str(exc)) from None
+        diff = store.diff_runs(full_a, full_b)
+        rows = [[part, key, json.dumps(va, default=str), json.dumps(vb, default=str)]
+                for part, entries in diff.items() for key, (va, vb) in entries.items()]
+        frame = pd.DataFrame(rows or [["—", "no differences", "", ""]], columns=["part", "key", "A", "B"])
+
+        def first_image(run: str) -> str | None:
+            images = store.get_run(run).images
+            return str(images[0].path) if images else None
+
+        return frame, first_image(full_a), first_image(full_b)
+
+    compare.click(do_compare, [run_a, run_b], [diff_table, image_a, image_b], api_name="compare")
+
+    def do_delete(run_id_v: str, *filter_values):
+        full = store.resolve_run_id((run_id_v or "").strip())
+        store.delete_run(full)
+        return (f"Deleted run `{full[:12]}`.", "", *do_search(*filter_values))
+
+    delete.click(do_delete, [run_id, *filters], [detail, run_id, *search_outputs], api_name="delete_run")
+
+    def do_export(*filter_values):
+        target = Path(tempfile.mkdtemp()) / f"omni-studio-history-{time.strftime('%Y%m%d-%H%M%S')}.zip"
+        store.export_bundle(target, run_filter(*filter_values))
+        return str(target)
+
+    export.click(do_export, filters, [export_file], api_name="export_history")
+
+    def do_import(path: str | None, *filter_values):
+        if not path:
+            return gr.skip(), *[gr.skip()] * len(search_outputs)
+        result = store.import_bundle(path)
+        return (f"Imported {result.imported} run(s); {result.skipped} already present.", *do_search(*filter_values))
+
+    import_file.upload(do_import, [import_file, *filters], [import_status, *search_outputs],
+                       api_name="import_history")
+
+    def refresh():
+        return do_search("", "any", "any", "", "", "", "")
+
+    return {"refresh": refresh, "refresh_outputs": search_outputs}

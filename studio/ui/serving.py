@@ -1,0 +1,81 @@
+"""The Serving tab: fingerprint mode and value (applied at once through the handler rebuild), API key,
+the exported endpoint with ready curl and Python snippets, and the share link's status."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+import gradio as gr
+
+from studio.api.fingerprint import FINGERPRINT_MODES, FingerprintError
+from studio.controller import Studio
+
+
+def fingerprint_line(studio: Studio) -> str:
+    value = studio.system_fingerprint
+    shown = f"<code id='omni-current-fingerprint'>{html.escape(value)}</code>" if value else \
+        "<code id='omni-current-fingerprint'>none</code>"
+    mode = studio.serving.options.fingerprint.mode
+    return f"Responses now carry system_fingerprint {shown} (mode <b>{mode}</b>)."
+
+
+def share_markdown(studio: Studio) -> str:
+    share = studio.share
+    lines = [f"**Local:** {studio.base_url or '(starting)'} — API at `{studio.base_url.rstrip('/')}/v1`"]
+    if not share.requested:
+        lines.append("**Share link:** off (start with `--share` to get a public link for the UI and the API).")
+    else:
+        lines.append(f"**Share link:** {share.url or 'not available'} {share.message}")
+        if share.username:
+            lines.append(f"**UI login:** `{share.username}` / `{share.password}`")
+        if share.api_key_generated:
+            lines.append("**API key** was generated because the API must not be public without one (shown below).")
+    return "\n\n".join(lines)
+
+
+def build_serving_tab(studio: Studio) -> dict[str, Any]:
+    current = studio.serving.options.fingerprint
+    with gr.Row(equal_height=False):
+        with gr.Column():
+            gr.Markdown("### Fingerprint")
+            mode = gr.Radio(list(FINGERPRINT_MODES), value=current.mode, label="--fingerprint-mode",
+                            elem_id="omni-fp-mode")
+            value = gr.Textbox(current.value or "", label="--fingerprint-value (custom mode only)",
+                               elem_id="omni-fp-value")
+            apply = gr.Button("Apply fingerprint", variant="primary", elem_id="omni-fp-apply")
+            fingerprint = gr.HTML(fingerprint_line(studio), elem_id="omni-fp-status")
+            gr.Markdown("### API key")
+            key = gr.Textbox(studio.api_key or "", type="password", label="Bearer key required on /v1/* "
+                             "(empty: open)", elem_id="omni-api-key")
+            set_key = gr.Button("Set API key")
+            key_status = gr.Markdown("")
+        with gr.Column():
+            gr.Markdown("### Endpoint")
+            share = gr.Markdown(share_markdown(studio), elem_id="omni-share")
+            curl_snippet, python_snippet = studio.snippets()
+            curl = gr.Code(curl_snippet, language="shell", label="curl", interactive=False)
+            python = gr.Code(python_snippet, language="python", label="Python (openai SDK)", interactive=False)
+
+    def on_apply(mode_v: str, value_v: str):
+        try:
+            studio.set_fingerprint(mode_v, value_v.strip() or None if mode_v == "custom" else None)
+        except FingerprintError as exc:
+            return f"<div class='omni-invalid'>{html.escape(str(exc))}</div>"
+        return fingerprint_line(studio)
+
+    apply.click(on_apply, [mode, value], [fingerprint], api_name="set_fingerprint")
+
+    def on_key(key_v: str):
+        studio.set_api_key(key_v.strip() or None)
+        curl_v, python_v = studio.snippets()
+        return ("API key set: `/v1/*` now needs `Authorization: Bearer …`." if key_v.strip()
+                else "No API key: `/v1/*` is open."), curl_v, python_v
+
+    set_key.click(on_key, [key], [key_status, curl, python], api_name="set_api_key")
+
+    def refresh():
+        curl_v, python_v = studio.snippets()
+        return fingerprint_line(studio), share_markdown(studio), curl_v, python_v
+
+    return {"refresh": refresh, "refresh_outputs": [fingerprint, share, curl, python]}

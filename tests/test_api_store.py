@@ -1,0 +1,125 @@
+"""Runs made through a live `omni-studio serve` are recorded: concurrent successes, refusals and failures,
+client disconnects, and a server killed mid-run (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from studio.store import RunFilter, open_store
+from tests.servers import start_server
+
+pytest_plugins = ["conftest_store"]
+
+
+def chat(prompt: str, **fields) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}], **fields}
+
+
+def wait_for(predicate, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+def test_concurrent_requests_and_failures_are_all_recorded(db_url, tmp_path):
+    server = start_server(["serve", "--db", db_url, "--fingerprint-mode", "hash"], tmp_path / "data")
+    try:
+        statuses: list[int] = []
+
+        def one(seed: int) -> None:
+            response = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                                  json=chat(f"concurrent {seed}", seed=seed))
+            statuses.append(response.status_code)
+
+        threads = [threading.Thread(target=one, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert statuses == [200] * 8
+        bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat("bad size", height=50))
+        assert bad.status_code == 400
+        unknown = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                             json={**chat("who"), "model": "nope"})
+        assert unknown.status_code == 404
+        fingerprint = httpx.get(server.url + "/v1/models").json()["data"][0]["config_hash"][:8]
+    finally:
+        server.stop()  # SIGTERM: the recorder flushes on the way out
+
+    store = open_store(db_url, tmp_path / "data")
+    try:
+        succeeded = store.list_runs(RunFilter(status="succeeded", source="api"), limit=100)
+        assert sorted(r.prompt for r in succeeded) == sorted(f"concurrent {s}" for s in range(8))
+        for summary in succeeded:
+            run = store.get_run(summary.id)
+            assert run.fingerprint == f"omni-studio-0.1.0-{fingerprint}"
+            assert run.config_hash.startswith(fingerprint) and run.config["family"] == "glm-image"
+            assert [(s.stage_id, s.status) for s in run.stages] == [(0, "succeeded"), (1, "succeeded")]
+            assert all((s.seconds or 0) > 0 for s in run.stages)
+            (image,) = run.images
+            assert image.path.is_file() and image.path.stat().st_size == image.size_bytes
+        failed = {r.prompt: r for r in store.list_runs(RunFilter(status="failed"), limit=100)}
+        assert "height: must be a multiple of 32" in failed["bad size"].error
+        assert "does not exist" in failed["who"].error
+    finally:
+        store.close()
+
+
+def test_client_disconnect_is_recorded_as_cancelled(tmp_path):
+    server = start_server(["serve"], tmp_path / "data")
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/chat/completions", timeout=2.0,
+                       json=chat("walk away", seed=1, height=512, width=512, num_inference_steps=200))
+        store = open_store(None, tmp_path / "data")
+        try:
+            run = wait_for(lambda: next(iter(store.list_runs(RunFilter(search="walk away", status="cancelled"))),
+                                        None), timeout=60)
+            assert "disconnected" in store.get_run(run.id).error
+        finally:
+            store.close()
+        # the engine let go of it: a new request runs at once
+        assert httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat("next")).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_kill_9_mid_run_then_restart_marks_the_run_interrupted(db_url, tmp_path):
+    data = tmp_path / "data"
+    server = start_server(["serve", "--db", db_url], data)
+    try:
+        def doomed() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server dies under this request
+                httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                           json=chat("killed mid-run", height=512, width=512, num_inference_steps=300))
+
+        threading.Thread(target=doomed, daemon=True).start()
+        store = open_store(db_url, data)
+        try:
+            wait_for(lambda: store.list_runs(RunFilter(search="killed mid-run", status="running")), timeout=60)
+        finally:
+            store.close()
+        server.stop(signal.SIGKILL)
+    finally:
+        server.stop()
+    restarted = start_server(["serve", "--db", db_url], data)
+    try:
+        store = open_store(db_url, data)
+        try:
+            runs = store.list_runs(RunFilter(search="killed mid-run"))
+            assert [r.status for r in runs] == ["interrupted"]
+            assert store.count_runs(RunFilter(status=["running", "queued"])) == 0
+        finally:
+            store.close()
+    finally:
+        restarted.stop()
