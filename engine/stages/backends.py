@@ -18,13 +18,18 @@ def vllm_importable() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+_import_error: ImportError | None = None  # why vLLM is installed but unusable, if it is
+
+
 def vllm_runner_for(family: str) -> type[StageRunner] | None:
     """The vLLM runner for ``family``'s AR stage, if vLLM is installed and we have one for it."""
+    global _import_error
     if not vllm_importable():
         return None
     try:
         from engine.stages import ar_vllm  # noqa: F401  (present once the vLLM backend lands)
-    except ImportError:
+    except ImportError as exc:
+        _import_error = exc
         return None
     return ar_vllm.RUNNERS.get(family)
 
@@ -39,7 +44,12 @@ def ar_runner_class(
     if runner is not None:
         return runner
     if backend == "vllm":
-        reason = "vLLM is not installed" if not vllm_importable() else f"there is no vLLM runner for {family} yet"
+        if not vllm_importable():
+            reason = "vLLM is not installed"
+        elif _import_error is not None:
+            reason = str(_import_error)
+        else:
+            reason = f"there is no vLLM runner for {family} yet"
         raise BackendUnavailable(
             f"stage {stage.stage_id}: backend 'vllm' requested but {reason}; use backend: transformers or auto"
         )
