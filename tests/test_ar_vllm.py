@@ -344,3 +344,82 @@ def test_sampling_params_mapping() -> None:
     assert sorted(sampled.allowed_token_ids) == [5, 7, 8]
     defaults = sampling_params({"seed": 1}, prompt, defaults={"temperature": 0.8, "top_k": 40})
     assert defaults.temperature == 0.8 and defaults.top_k == 40  # the model's generation config, like generate()
+
+
+# -- through the API and with vLLM's AsyncLLM -------------------------------------------------------------
+
+
+def test_serve_tiny_chat_on_vllm_streams_and_records_concurrent_runs(model_cache: Path, tmp_path: Path) -> None:
+    """`omni-studio serve --model tiny-chat --ar-backend vllm`: SSE text streaming; 8 concurrent requests
+    complete and are recorded."""
+    import httpx
+    import openai
+
+    from studio.store import RunFilter, open_store
+    from tests.servers import running_server
+
+    data = tmp_path / "data"
+    with running_server(["serve", "--model", "tiny-chat", "--ar-backend", "vllm"], data) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "tell me about the river"}], stream=True,
+            max_tokens=16, seed=1, temperature=0,
+        )
+        pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+        assert len(pieces) >= 5
+        statuses: list[int] = []
+
+        def one(seed: int) -> None:
+            response = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny-chat", "messages": [{"role": "user", "content": f"concurrent {seed}"}],
+                "seed": seed, "max_tokens": 32,
+            })
+            statuses.append(response.status_code)
+
+        threads = [threading.Thread(target=one, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=180)
+        assert statuses == [200] * 8
+    store = open_store(None, data)
+    try:
+        runs = store.list_runs(RunFilter(status="succeeded", search="concurrent"), limit=100)
+        assert sorted(r.prompt for r in runs) == sorted(f"concurrent {s}" for s in range(8))
+        batches = [stage.batch_size for r in runs for stage in store.get_run(r.id).stages]
+        assert max(batches) > 1  # continuous batching: some ran together
+    finally:
+        store.close()
+
+
+def test_async_driver_streams_and_cancels(model_cache: Path, data_dir: Path) -> None:
+    """The GPU default (AsyncLLM, engine core in a child process) behaves like the in-process driver."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_STUDIO_VLLM_DRIVER", "async")
+        deploy = {"stages": [{"stage_id": 0, "max_num_seqs": 2, "default_sampling_params": {"ignore_eos": True}}]}
+        engine = build_engine("tiny-chat", deploy, data_dir=data_dir, ar_backend="vllm")
+    try:
+        assert engine.runners[0].driver_name == "async"
+        request = GenerationRequest("the cat sees a bird", GenerationParams(seed=2, temperature=0.0, max_tokens=24))
+        events = list(engine.stream(engine.resolve(request)))
+        assert isinstance(events[-1], RunFinished) and events[-1].outputs[0].output_tokens == 24
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == events[-1].outputs[0].text
+        started = threading.Event()
+        terminal: list = []
+
+        def sink(event) -> None:
+            if isinstance(event, TokenProgress) and event.step > 0:
+                started.set()
+            if isinstance(event, (RunFinished, RunFailed)):
+                terminal.append(event)
+
+        handle = engine.submit(engine.resolve(GenerationRequest("long", GenerationParams(max_tokens=1900))), sink)
+        assert started.wait(60)
+        handle.cancel()
+        deadline = time.monotonic() + 30
+        while not terminal and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert terminal and isinstance(terminal[0], RunFailed) and terminal[0].cancelled
+        assert engine.runners[0].driver.live == {}
+    finally:
+        engine.close()
