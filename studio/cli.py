@@ -323,9 +323,31 @@ def cmd_not_ready(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
+    import threading
+
+    from studio.api.fingerprint import FingerprintError
+    from studio.server import fingerprint_settings
+
+    try:  # refused before anything loads
+        fingerprint_settings(args)
+    except FingerprintError as exc:
+        raise CLIError(str(exc)) from exc
+
+    # Gradio's import (seconds) overlaps torch/transformers/diffusers and the engine start on the main
+    # thread: a large part of both is file I/O, which releases the GIL. It cuts the studio's cold start.
+    preload = threading.Thread(target=lambda: __import__("studio.ui.app"), daemon=True, name="omni-preload-ui")
+    preload.start()
+    engine = _preload_engine(args)
+    preload.join()
     from studio.ui.app import launch_studio
 
-    return launch_studio(args)
+    return launch_studio(args, engine=engine)
+
+
+def _preload_engine(args: argparse.Namespace):
+    from studio.runtime import start_engine
+
+    return start_engine(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -29,14 +29,24 @@ CSS = """
 .omni-errors ul { margin: 4px 0; color: #c0392b; }
 .omni-invalid { color: #c0392b; }
 .omni-ok pre { white-space: pre-wrap; font-size: 0.85em; }
+.omni-chart { display: flex; flex-direction: column; gap: 6px; padding: 8px 0; }
+.omni-chart-title { font-weight: 600; }
+.omni-chart-row { display: grid; grid-template-columns: 11em 1fr 17em; align-items: center; gap: 8px; }
+.omni-chart-track { display: flex; height: 14px; background: #eef; border-radius: 3px; overflow: hidden; }
+.omni-chart-queue { background: #ccc; }
+.omni-chart-bar { background: #6366f1; }
+.omni-chart-bar.failed, .omni-chart-bar.cancelled { background: #c0392b; }
+.omni-chart-value { font-size: 0.85em; }
 """
+
+
+def header(studio: Studio) -> str:
+    return f"## Omni Studio · {studio.model.name} ({studio.config.family}) · config `{studio.config.hash8}`"
 
 
 def build_ui(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="Omni Studio") as demo:
-        gr.Markdown(
-            f"## Omni Studio · {studio.model.name} ({studio.config.family}) · config `{studio.config.hash8}`"
-        )
+        title = gr.Markdown(header(studio), elem_id="omni-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
                 chat = build_chat_tab(studio)
@@ -50,6 +60,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 system = build_system_tab(studio)
         pipeline["apply_event"].then(chat["sync_defaults"], None, chat["defaults_outputs"],
                                      api_visibility="private")
+        for event in (pipeline["apply_event"], chat["switch_event"]):  # the header names the running config
+            event.then(lambda: header(studio), None, [title], api_visibility="private")
         # Each tab shows the current state when opened (another tab, the API or the CLI may have changed it).
         pipeline_tab.select(pipeline["refresh"], None, pipeline["refresh_outputs"], api_visibility="private")
         serving_tab.select(serving["refresh"], None, serving["refresh_outputs"], api_visibility="private")
@@ -67,9 +79,10 @@ def attach_api(app, serving: ServingState) -> None:
         routes.insert(0, route)
 
 
-def launch_studio(args: argparse.Namespace) -> int:
-    from studio.server import open_recorder, serving_options
+def launch_studio(args: argparse.Namespace, engine=None) -> int:
+    """Serve the studio; ``engine`` may be started already (the CLI overlaps that with importing Gradio)."""
     from studio.runtime import data_dir_from, start_engine
+    from studio.server import open_recorder, serving_options
 
     try:
         options = serving_options(args)
@@ -99,7 +112,7 @@ def launch_studio(args: argparse.Namespace) -> int:
 
     data_dir = data_dir_from(args)
     recorder = open_recorder(args)
-    engine = start_engine(args)
+    engine = engine or start_engine(args)
     serving = ServingState(engine, options, recorder=recorder, source="api")
     deploy_text = Path(args.deploy_config).read_text() if args.deploy_config else None
     studio = Studio(engine, serving, data_dir, recorder=recorder, store=getattr(recorder, "store", None),

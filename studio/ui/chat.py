@@ -266,7 +266,8 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                 gr.update(value=params.get("guidance_scale", 1.5)), gr.update(value=studio.model.name))
 
     defaults_outputs = [width, height, steps, guidance, model]
-    model.input(change_model, [model], [status], api_name="switch_model").then(
+    switch_event = model.input(change_model, [model], [status], api_name="switch_model").then(
         sync_defaults, None, defaults_outputs, api_visibility="private")
     return {"chatbot": chatbot, "message": message, "progress": progress, "preview": preview, "status": status,
-            "model": model, "sync_defaults": sync_defaults, "defaults_outputs": defaults_outputs}
+            "model": model, "sync_defaults": sync_defaults, "defaults_outputs": defaults_outputs,
+            "switch_event": switch_event}

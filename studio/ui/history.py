@@ -3,6 +3,7 @@ detail with per-stage timings, Re-run with the exact parameters, Compare two run
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import tempfile
@@ -64,12 +65,26 @@ def rows_of(runs: list[Any]) -> pd.DataFrame:
     )
 
 
-def timings_frame(detail: Any) -> pd.DataFrame:
-    return pd.DataFrame(
-        [{"stage": f"{s.stage_id} {s.kind}" + (f" #{s.variant_index}" if s.variant_index else ""),
-          "seconds": round(s.seconds or 0.0, 4), "status": s.status} for s in detail.stages],
-        columns=["stage", "seconds", "status"],
-    )
+def timings_chart(detail: Any) -> str:
+    """Per-stage time as a horizontal bar chart (queue wait, then run time), one bar per stage and variant."""
+    stages = list(detail.stages)
+    if not stages:
+        return "<div class='omni-chart'><i>No stage timings recorded.</i></div>"
+    longest = max((s.queue_seconds or 0) + (s.seconds or 0) for s in stages) or 1.0
+    rows = []
+    for s in stages:
+        label = f"stage {s.stage_id} · {s.kind}" + (f" · #{s.variant_index}" if s.variant_index else "")
+        queue = 100 * (s.queue_seconds or 0) / longest
+        run = 100 * (s.seconds or 0) / longest
+        rows.append(
+            f"<div class='omni-chart-row' data-stage='{s.stage_id}'><span class='omni-chart-label'>{label}</span>"
+            f"<span class='omni-chart-track'><span class='omni-chart-queue' style='width:{queue:.1f}%'></span>"
+            f"<span class='omni-chart-bar {s.status}' style='width:{run:.1f}%'></span></span>"
+            f"<span class='omni-chart-value'>{(s.seconds or 0):.3f} s"
+            + (f" (+{s.queue_seconds:.3f} s queued)" if (s.queue_seconds or 0) >= 0.001 else "")
+            + (f" · {s.output_tokens} tokens" if s.output_tokens else "") + "</span></div>"
+        )
+    return "<div class='omni-chart'><div class='omni-chart-title'>Per-stage time</div>" + "".join(rows) + "</div>"
 
 
 def detail_markdown(detail: Any) -> str:
@@ -106,14 +121,13 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         find = gr.Button("Search", variant="primary", scale=1, elem_id="omni-h-find")
     count = gr.Markdown("")
     table = gr.Dataframe(rows_of([]), interactive=False, wrap=True, max_height=320, elem_id="omni-h-table")
-    gallery = gr.Gallery(label="Images of these runs", columns=8, height=170, allow_preview=False,
+    gallery = gr.Gallery(label="Images of these runs", columns=10, height=130, allow_preview=False, object_fit="contain",
                          elem_id="omni-h-gallery")
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             run_id = gr.Textbox(label="Run id (click a row)", elem_id="omni-h-run-id")
             detail = gr.Markdown("", elem_id="omni-h-detail")
-            timings = gr.BarPlot(timings_frame(type("D", (), {"stages": []})()), x="stage", y="seconds",
-                                 color="status", title="Per-stage time (s)", height=220, elem_id="omni-h-timings")
+            timings = gr.HTML("", elem_id="omni-h-timings")
             outputs = gr.Gallery(label="Outputs", columns=4, height=220, elem_id="omni-h-outputs")
             with gr.Accordion("Request, parameters and config snapshot", open=False):
                 request_json = gr.JSON(label="Request as received")
@@ -152,10 +166,8 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         images = []
         for r in runs:
             if r.thumbnail_sha256:
-                try:
+                with contextlib.suppress(FileNotFoundError):  # a file removed by retention meanwhile
                     images.append((str(store.output_file(r.thumbnail_sha256)), f"{r.id[:8]} · {r.prompt[:30]}"))
-                except FileNotFoundError:
-                    pass
         models = sorted({"any", studio.serving.served_model_name, *(r.model for r in runs)})
         return (rows_of(runs), images, f"{total} run(s) match; showing {len(runs)}.", [r.id for r in runs],
                 gr.update(choices=models))
@@ -174,7 +186,7 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         except LookupError as exc:
             return [str(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
         images = [(str(o.path), f"{o.kind} {o.index}") for o in d.outputs if o.mime.startswith("image/")]
-        return (detail_markdown(d), timings_frame(d), images, d.request, d.parameters,
+        return (detail_markdown(d), timings_chart(d), images, d.request, d.parameters,
                 yaml.safe_dump(d.config or {}, sort_keys=False), full)
 
     detail_outputs = [detail, timings, outputs, request_json, parameters_json, config_yaml, run_id]

@@ -35,6 +35,27 @@ def field_help(kind: str, name: str) -> str:
     return f"{name} ({', '.join(bounds)})" if bounds else name
 
 
+def overlay_raw_values(text: str, rows: list[dict[str, Any]]) -> None:
+    """Show what the YAML says even where it does not validate (so an error sits beside its value)."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        return
+    entries = {s.get("stage_id"): s for s in data.get("stages") or [] if isinstance(s, dict)}
+    for row in rows:
+        entry = entries.get(row["stage_id"])
+        if not entry:
+            continue
+        for key in ("engine_output_type", "backend"):
+            if key in entry:
+                row[key] = entry[key]
+        for key in ("max_num_seqs", "devices"):
+            if key in entry:
+                row["engine_args"][key] = entry[key]
+        if isinstance(entry.get("default_sampling_params"), dict):
+            row["default_sampling_params"] = {**row["default_sampling_params"], **entry["default_sampling_params"]}
+
+
 def render_problems(problems: list[Any]) -> str:
     if not problems:
         return ""
@@ -63,13 +84,17 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             for index in range(MAX_STAGES):
                 with gr.Group(visible=False) as group:
                     header = gr.Markdown()
-                    output_type = gr.Dropdown([], label="engine_output_type", allow_custom_value=True,
-                                              elem_id=f"omni-stage{index}-output")
                     with gr.Row():
+                        output_type = gr.Dropdown([], label="engine_output_type", allow_custom_value=True,
+                                                  elem_id=f"omni-stage{index}-output")
                         backend = gr.Dropdown(["auto", "vllm", "transformers"], label="backend (ar)")
+                    with gr.Row():
                         max_num_seqs = gr.Number(label="max_num_seqs (1-1024)", precision=0)
                         devices = gr.Textbox(label="devices (auto, cpu, 0, 0,1)")
-                    sampling = [gr.Number(label=name) for name in DIFFUSION_FIELDS]
+                    sampling = []
+                    for pair in (DIFFUSION_FIELDS[:2], DIFFUSION_FIELDS[2:]):
+                        with gr.Row():
+                            sampling += [gr.Number(label=name) for name in pair]
                     errors = gr.HTML("", elem_id=f"omni-stage{index}-errors")
                 stage_boxes.append({"group": group, "header": header, "output_type": output_type,
                                     "backend": backend, "max_num_seqs": max_num_seqs, "devices": devices,
@@ -86,6 +111,7 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             rows = stage_rows(text)
         except Exception:
             rows = [s.to_dict() for s in studio.config.stages]
+        overlay_raw_values(text, rows)
         grouped = report.by_stage() if report else {}
         updates: list[Any] = []
         for index, box in enumerate(stage_boxes):

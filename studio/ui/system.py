@@ -26,7 +26,8 @@ def _version(name: str) -> str | None:
 def _memory() -> dict[str, Any]:
     info: dict[str, Any] = {}
     try:
-        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        with open("/proc/meminfo") as handle:
+            fields = dict(line.split(":", 1) for line in handle.read().splitlines() if ":" in line)
         info["ram_total_gib"] = round(int(fields["MemTotal"].split()[0]) / 2**20, 1)
         info["ram_available_gib"] = round(int(fields["MemAvailable"].split()[0]) / 2**20, 1)
     except (OSError, KeyError, ValueError):
@@ -54,7 +55,7 @@ def system_info(studio: Studio) -> dict[str, Any]:
         "versions": {"python": platform.python_version(), **{p: v for p in PACKAGES if (v := _version(p))}},
         "running": {
             "model": studio.model.name,
-            "path": str(studio.model.path),
+            "folder": str(studio.model.path),  # not "path": Gradio would treat the dict as a file
             "family": config.family,
             "config_hash": config.config_hash(),
             "stages": [{"stage_id": s.stage_id, "kind": s.kind, "backend": getattr(studio.engine.runners[s.stage_id],
