@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from diffusers import (
-    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     GlmImagePipeline,
     GlmImageTransformer2DModel,
@@ -27,6 +26,7 @@ from transformers import (
 )
 from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
+from engine.tiny.components import tiny_autoencoder
 from engine.tiny.tokenizers import byte_fallback_tokenizer
 
 IMAGE_START, IMAGE_END = "<|begin_of_image|>", "<|end_of_image|>"
@@ -113,16 +113,9 @@ def build(recipe: dict[str, Any], out_dir: Path) -> None:
     )
 
     vae_cfg = recipe["vae"]
-    levels = len(vae_cfg["block_out_channels"])
     torch.manual_seed(seed + 3)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=tuple(vae_cfg["block_out_channels"]),
-        down_block_types=["DownEncoderBlock2D"] * levels,
-        up_block_types=["UpDecoderBlock2D"] * levels,
-        latent_channels=vae_cfg["latent_channels"],
-        norm_num_groups=vae_cfg["norm_num_groups"],
+    vae = tiny_autoencoder(
+        vae_cfg,
         sample_size=64,
         latents_mean=[0.0] * vae_cfg["latent_channels"],
         latents_std=[1.0] * vae_cfg["latent_channels"],
