@@ -24,7 +24,8 @@ def glm_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    with running_server(["serve", "tiny-chat", "--ar-backend", "transformers"], tmp_path_factory.mktemp("chat")) as s:
+    args = ["serve", "tiny-chat", "--ar-backend", "transformers", "--served-model-name", "chatty"]
+    with running_server(args, tmp_path_factory.mktemp("chat")) as s:
         yield s
 
 
@@ -169,8 +170,9 @@ def test_seed_glm_image_client_t2i_then_i2i(glm_server):
 
 def test_chat_model_streams_text_token_by_token(chat_server):
     client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["chatty"]  # --served-model-name
     stream = client.chat.completions.create(
-        model="tiny-chat", messages=[{"role": "user", "content": "tell me about the river"}], stream=True,
+        model="chatty", messages=[{"role": "user", "content": "tell me about the river"}], stream=True,
         max_tokens=16, seed=1, stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -179,6 +181,6 @@ def test_chat_model_streams_text_token_by_token(chat_server):
     usage = [c for c in chunks if c.usage]
     assert usage and usage[-1].usage.completion_tokens <= 16
     full = client.chat.completions.create(
-        model="tiny-chat", messages=[{"role": "user", "content": "tell me about the river"}], max_tokens=16, seed=1
+        model="chatty", messages=[{"role": "user", "content": "tell me about the river"}], max_tokens=16, seed=1
     )
     assert full.choices[0].message.content == "".join(pieces)  # same seed, same words, streamed or not
