@@ -542,6 +542,7 @@ class VllmARStage(StageRunner):
             "pipeline_parallel_size": int(args.get("pipeline_parallel_size") or 1),
             "seed": 0,
             "disable_log_stats": True,
+            "use_tqdm_on_load": False,  # the studio's own progress bars own the terminal
         }
         for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if args.get(key) is not None:

@@ -24,6 +24,7 @@ their grid shapes are not in the prompt, so the caller registers them first thro
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -56,13 +57,15 @@ GRID_BOS, GRID_EOS = "<sop>", "<eop>"
 
 # Source-image grids registered by the caller, keyed by the prompt's token ids (process-wide: the worker
 # extension that fills it and the model that reads it live in the same worker process).
-_SOURCE_GRIDS: OrderedDict[tuple[int, ...], list[tuple[int, int, int]]] = OrderedDict()
+_SOURCE_GRIDS: OrderedDict[bytes, list[tuple[int, int, int]]] = OrderedDict()
 _SOURCE_GRIDS_LOCK = threading.Lock()
 _SOURCE_GRIDS_LIMIT = 4096
 
 
-def source_grid_key(prompt_token_ids: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(t) for t in prompt_token_ids)
+def source_grid_key(prompt_token_ids: Iterable[int]) -> bytes:
+    """A digest of the prompt ids (I2I prompts hold thousands of source codes; keep 16 bytes, not them)."""
+    ids = torch.tensor([int(t) for t in prompt_token_ids], dtype=torch.int64)
+    return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
 
 
 def register_source_grids(prompt_token_ids: Iterable[int], grids: list[tuple[int, int, int]]) -> None:
