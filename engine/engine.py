@@ -117,7 +117,7 @@ def build_pipeline_config(
         deploy, source.family.name, source.family.templates, source.name, source.identity, source=label,
         prior_problems=problems,
     )
-    if ar_backend and ar_backend != "auto":
+    if ar_backend:  # --ar-backend overrides every AR stage, `auto` included
         config = with_ar_backend(config, ar_backend)
     return config
 

@@ -85,8 +85,9 @@ def glm_transformers(model_cache: Path, data_dir: Path) -> OmniEngine:
 
 @pytest.fixture(scope="module")
 def chat_auto(model_cache: Path, data_dir: Path) -> OmniEngine:
-    """tiny-chat with its default deploy config (max_num_seqs 8) and backend auto."""
-    engine = build_engine("tiny-chat", data_dir=data_dir)
+    """tiny-chat with its default deploy config (max_num_seqs 8) and backend auto (the preset pins
+    transformers for a fast CPU start; --ar-backend auto overrides it)."""
+    engine = build_engine("tiny-chat", data_dir=data_dir, ar_backend="auto")
     yield engine
     engine.close()
 
