@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.config import PipelineConfig, ResolvedStage, StageTemplate
 from engine.pipelines.base import PipelineFamily, read_json
@@ -21,6 +20,8 @@ class ChatARStage(TransformersARStage):
     """Chat messages -> streamed text on transformers."""
 
     def load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # ~2 s of imports, only when used
+
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.torch_dtype).to(self.device).eval()
         self.loaded = True

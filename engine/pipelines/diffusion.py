@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import DiffusionPipeline
 
 from engine.config import PipelineConfig, ResolvedStage, StageTemplate
 from engine.pipelines.base import PipelineFamily, read_json
@@ -14,11 +13,16 @@ from engine.request import GenerationRequest
 from engine.stages.base import StageJob, StageRunner
 from engine.stages.diffusion import DiffusersStage
 
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
 
 class TextToImageStage(DiffusersStage):
     """Prompt (+ negative prompt) -> image with a standard diffusers text-to-image pipeline."""
 
     def load_pipeline(self) -> DiffusionPipeline:
+        from diffusers import DiffusionPipeline
+
         index = read_json(self.model_path / "model_index.json") or {}
         # Components saved as [null, null] (e.g. SD3 without its T5) must be passed as None explicitly.
         absent = {name: None for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]}

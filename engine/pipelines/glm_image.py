@@ -13,12 +13,10 @@ where transformers >= 5.18's ``get_image_tokens`` now expects a list.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import GlmImagePipeline
 from PIL import Image
-from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
 
 from engine.config import PipelineConfig, ResolvedStage, StageTemplate
 from engine.pipelines.base import PipelineFamily, fit_source_image, read_json
@@ -27,6 +25,10 @@ from engine.request import GenerationRequest, RequestError
 from engine.stages.ar_transformers import ARInputs, TransformersARStage
 from engine.stages.base import StageJob, StageRunner
 from engine.stages.diffusion import DiffusersStage
+
+if TYPE_CHECKING:
+    from diffusers import GlmImagePipeline
+    from transformers import GlmImageProcessor
 
 AR_COMPONENT = "vision_language_encoder"
 PROCESSOR_COMPONENT = "processor"
@@ -38,6 +40,8 @@ class GlmImageARStage(TransformersARStage):
     processor: GlmImageProcessor
 
     def load(self) -> None:
+        from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
+
         self.processor = GlmImageProcessor.from_pretrained(self.model_path / PROCESSOR_COMPONENT)
         self.model = GlmImageForConditionalGeneration.from_pretrained(
             self.model_path / AR_COMPONENT, dtype=self.torch_dtype
@@ -84,6 +88,8 @@ class GlmImageDiffusionStage(DiffusersStage):
     """Stage 1: prior ids (+ source image) -> image, with ``GlmImagePipeline`` minus its AR half."""
 
     def load_pipeline(self) -> GlmImagePipeline:
+        from diffusers import GlmImagePipeline
+
         return GlmImagePipeline.from_pretrained(
             self.model_path, vision_language_encoder=None, processor=None, dtype=self.torch_dtype
         )

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import DiffusionPipeline
 from PIL import Image
 
 from engine.events import DiffusionStep
 from engine.stages.base import StageCancelled, StageJob, StageRunner
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
 
 
 class DiffusersStage(StageRunner):
