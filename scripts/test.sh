@@ -14,7 +14,7 @@ if [ -z "${OMNI_STUDIO_TEST_PG_URL:-}" ]; then
   [ -x "$pg_bin/initdb" ] || { echo "PostgreSQL is not installed (run scripts/setup.sh test)" >&2; exit 1; }
   pg_tmp="$(mktemp -d /tmp/omni-test-pg.XXXXXX)"
   as_pg=()
-  if [ "$(id -u)" = 0 ]; then chown nobody "$pg_tmp"; as_pg=(runuser -u nobody --); fi
+  if [ "$(id -u)" = 0 ]; then chown nobody "$pg_tmp"; as_pg=(env -C "$pg_tmp" runuser -u nobody --); fi
   pg_port="$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
   stop_pg() {
     "${as_pg[@]}" "$pg_bin/pg_ctl" stop -D "$pg_tmp/data" -m fast -s >/dev/null 2>&1 || true
