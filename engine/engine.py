@@ -32,6 +32,7 @@ from engine.config import (
     resolve_pipeline_config,
 )
 from engine.events import (
+    STREAMING_EVENTS,
     TERMINAL_EVENTS,
     EngineEvent,
     RunFailed,
@@ -394,11 +395,20 @@ class OmniEngine:
         handle.cancel()
         return True
 
-    async def generate(self, resolved: ResolvedRequest) -> AsyncIterator[EngineEvent]:
-        """Run a request, yielding its events; closing the iterator early cancels the request."""
+    async def generate(self, resolved: ResolvedRequest, progress: bool = True) -> AsyncIterator[EngineEvent]:
+        """Run a request, yielding its events; closing the iterator early cancels the request.
+
+        ``progress=False`` leaves out token/step progress and text deltas (a caller that only wants the
+        result): they are dropped on the engine's thread, so the event loop is not woken for each one.
+        """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[EngineEvent] = asyncio.Queue()
-        handle = self.submit(resolved, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+
+        def sink(event: EngineEvent) -> None:
+            if progress or not isinstance(event, STREAMING_EVENTS):
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        handle = self.submit(resolved, sink)
         finished = False
         try:
             while True:

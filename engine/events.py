@@ -110,4 +110,5 @@ class RunFailed(EngineEvent):
 
 
 PROGRESS_EVENTS = (TokenProgress, DiffusionStep)
+STREAMING_EVENTS = (TokenProgress, DiffusionStep, TextDelta)  # what only a live view needs
 TERMINAL_EVENTS = (RunFinished, RunFailed)

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.config import DeployConfigError, PipelineConfig
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
-from studio.runtime import StartupError, quiet_libraries
+from studio.runtime import StartupError, quiet_libraries, tune_interpreter
 
 FINGERPRINT_MODES = ("full", "hash", "custom", "none")
 AR_BACKENDS = ("auto", "vllm", "transformers")
@@ -372,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args.command = command
     handler = COMMANDS.get(command, cmd_not_ready)
     quiet_libraries()
+    tune_interpreter()
     try:
         return handler(args)
     except CLIError as exc:

@@ -113,9 +113,11 @@ class OpenAIServing:
         if isinstance(event, StageFinished):
             self.context.metrics.observe_stage(event)
 
-    async def events(self, resolved: ResolvedRequest, tracker: RunTracking) -> AsyncIterator[EngineEvent]:
+    async def events(
+        self, resolved: ResolvedRequest, tracker: RunTracking, progress: bool = True
+    ) -> AsyncIterator[EngineEvent]:
         """The engine's events for ``resolved``, recorded as they pass; queue-full and shutdown become 429/503."""
-        agen = self.engine.generate(resolved)
+        agen = self.engine.generate(resolved, progress=progress)
         try:
             try:
                 first = await agen.__anext__()
@@ -150,7 +152,7 @@ class OpenAIServing:
 
         async def consume() -> EngineEvent | None:
             terminal = None
-            async for event in self.events(resolved, tracker):
+            async for event in self.events(resolved, tracker, progress=False):  # nobody watches progress
                 if isinstance(event, (RunFinished, RunFailed)):
                     terminal = event
             return terminal
