@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from engine.events import TextDelta, TokenProgress
+from engine.events import TokenProgress
 from engine.modality import OutputModality
 from engine.stages.base import StageCancelled, StageJob, StageRunner
 
@@ -122,15 +122,9 @@ class TransformersARStage(StageRunner):
         if OutputModality.TOKEN_IDS in self.modalities:
             delta["token_ids"] = new_ids.detach().cpu().clone()
         if OutputModality.TEXT in self.modalities:
-            text = self.decode(generated)
-            previous = job.scratch.get("text", "")
-            # Wait for complete characters: a partial UTF-8 sequence decodes to U+FFFD.
-            if text.startswith(previous) and not text.endswith("\ufffd"):
-                piece = text[len(previous) :]
-                if piece:
-                    job.scratch["text"] = text
-                    delta["text"] = piece
-                    job.emit(TextDelta(job.request_id, job.index, self.stage_id, text=piece))
+            piece = job.advance_text(self.stage_id, self.decode(generated))
+            if piece:
+                delta["text"] = piece
         if delta:
             job.add_output(delta)
 

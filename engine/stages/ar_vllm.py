@@ -49,7 +49,7 @@ except Exception as exc:  # a broken install (e.g. a CUDA torchvision beside CPU
     raise ImportError(f"vLLM is installed but does not import: {type(exc).__name__}: {exc}") from exc
 
 from engine.config import ResolvedStage
-from engine.events import TextDelta, TokenProgress
+from engine.events import TokenProgress
 from engine.modality import OutputModality
 from engine.request import RequestError
 from engine.stages.base import JobDone, StageJob, StageRunner
@@ -643,15 +643,9 @@ class VllmARStage(StageRunner):
         if OutputModality.TOKEN_IDS in self.modalities:
             delta["token_ids"] = torch.tensor(new_ids, dtype=torch.long)
         if self.wants_text:
-            text = self.decode(generated)
-            previous = job.scratch.get("text", "")
-            # Wait for complete characters: a partial UTF-8 sequence decodes to U+FFFD.
-            if text.startswith(previous) and not text.endswith("\ufffd"):
-                piece = text[len(previous) :]
-                if piece:
-                    job.scratch["text"] = text
-                    delta["text"] = piece
-                    job.emit(TextDelta(job.request_id, job.index, self.stage_id, text=piece))
+            piece = job.advance_text(self.stage_id, self.decode(generated))
+            if piece:
+                delta["text"] = piece
         if delta:
             job.add_output(delta)
 

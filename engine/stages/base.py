@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.config import ResolvedStage
-from engine.events import EngineEvent
+from engine.events import EngineEvent, TextDelta
 from engine.modality import OutputAccumulator
 
 
@@ -47,6 +47,23 @@ class StageJob:
 
     def add_output(self, payload: dict[str, Any]) -> None:
         self.accumulator.add(payload)
+
+    def advance_text(self, stage_id: int, text: str) -> str | None:
+        """Given all text decoded so far, emit and return what is new since the last call.
+
+        Backends decode the whole generation each step (incremental detokenizers space some tokenizers'
+        first word differently), so every backend streams the same pieces. A piece ending in U+FFFD is a
+        partial UTF-8 sequence: it waits for the next token.
+        """
+        previous = self.scratch.get("text", "")
+        if not text.startswith(previous) or text.endswith("\ufffd"):
+            return None
+        piece = text[len(previous) :]
+        if not piece:
+            return None
+        self.scratch["text"] = text
+        self.emit(TextDelta(self.request_id, self.index, stage_id, text=piece))
+        return piece
 
     def deliver_outputs(self) -> dict[str, Any]:
         return self.accumulator.deliver()
