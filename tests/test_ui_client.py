@@ -86,3 +86,17 @@ def test_system_info_endpoint(client):
     info = client.predict(api_name="/system_info")
     assert info["running"]["model"] == "tiny-glm-image"
     assert "torch" in info["versions"] and info["devices"]["cpu_cores"] >= 1
+
+
+def test_export_then_import_through_the_history_endpoints(client, studio):
+    tag = uuid.uuid4().hex[:6]
+    httpx.post(studio.url + "/v1/chat/completions", timeout=60,
+               json={"messages": [{"role": "user", "content": f"bundle {tag}"}], "seed": 3})
+    bundle = client.predict(f"bundle {tag}", "any", "any", "", "", "", "", api_name="/export_history")
+    assert str(bundle).endswith(".zip")
+    from gradio_client import handle_file
+
+    status, _table, _gallery, count, *_ = client.predict(handle_file(bundle), f"bundle {tag}", "any", "any", "", "",
+                                                          "", "", api_name="/import_history")
+    assert "Imported 0 run(s); 1 already present" in status  # the run is there already: no duplicate
+    assert "1 run(s) match" in count
