@@ -62,7 +62,7 @@ PROGRESS_INTERVAL_S = 0.05
 # Token-id stages (GLM-Image's image codes) get a delta every this many tokens instead of every token:
 # nobody reads single codes, and vLLM building a per-step output for each request costs ~10-25% of the
 # tiny model's batch-8 throughput on CPU. Text streams token by token.
-TOKEN_ID_STREAM_INTERVAL = 16
+TOKEN_ID_STREAM_INTERVAL = 64
 CANCEL_POLL_S = 0.05
 DRIVERS = ("inproc", "async")
 MIN_CPU_KV_CACHE_BYTES = 64 << 20
