@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 from diffusers import (
+    AutoencoderKL,
     FlowMatchEulerDiscreteScheduler,
     GlmImagePipeline,
     GlmImageTransformer2DModel,
 )
+from tokenizers import Tokenizer
 from transformers import (
     ByT5Tokenizer,
     GlmImageConfig,
@@ -46,29 +48,47 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_processor(codes: int) -> GlmImageProcessor:
-    leading = [f"<|vq_{i}|>" for i in range(codes)] + [IMAGE_START, IMAGE_END]
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=byte_fallback_tokenizer(leading, [IMAGE_TOKEN, GRID_BOS, GRID_EOS, PAD, *ROLE_TOKENS]),
-        bos_token=IMAGE_START,  # the processor ends every prompt with bos = image start
-        eos_token=IMAGE_END,
-        pad_token=PAD,
-        extra_special_tokens={"image_token": IMAGE_TOKEN, "grid_bos_token": GRID_BOS, "grid_eos_token": GRID_EOS},
-        padding_side="left",
-    )
+def glm_image_processor(tokenizer: PreTrainedTokenizerFast) -> GlmImageProcessor:
+    """GLM-Image's processor around ``tokenizer`` (16 px patches, the chat template above)."""
     image_processor = GlmImageImageProcessorPil(
         patch_size=16, temporal_patch_size=1, merge_size=1, size={"shortest_edge": 32 * 32, "longest_edge": 1024 * 1024}
     )
     return GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
 
 
-def build(recipe: dict[str, Any], out_dir: Path) -> None:
-    seed = int(recipe["seed"])
-    codes = int(recipe["vision_codes"])
-    processor = build_processor(codes)
-    tok = processor.tokenizer
+def glm_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
+    """The processor's tokenizer: prompts end with image start (bos), grids end with image end (eos)."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=IMAGE_START,  # the processor ends every prompt with bos = image start
+        eos_token=IMAGE_END,
+        pad_token=PAD,
+        extra_special_tokens={"image_token": IMAGE_TOKEN, "grid_bos_token": GRID_BOS, "grid_eos_token": GRID_EOS},
+        padding_side="left",
+    )
+
+
+def leading_tokens(codes: int) -> list[str]:
+    """The first ids of the vocabulary: ``codes`` image codes, then image start and image end."""
+    return [f"<|vq_{i}|>" for i in range(codes)] + [IMAGE_START, IMAGE_END]
+
+
+def special_tokens() -> list[str]:
+    return [IMAGE_TOKEN, GRID_BOS, GRID_EOS, PAD, *ROLE_TOKENS]
+
+
+def build_processor(codes: int) -> GlmImageProcessor:
+    return glm_image_processor(glm_tokenizer(byte_fallback_tokenizer(leading_tokens(codes), special_tokens())))
+
+
+def ar_config(recipe: dict[str, Any], tok: PreTrainedTokenizerFast, *, codes: int, head_rows: int) -> GlmImageConfig:
+    """``GlmImageForConditionalGeneration``'s config from the recipe's ``ar``, ``vision`` and ``vq`` sections.
+
+    ``head_rows`` is the LM head's size (``vision_vocab_size``): ``codes`` keeps image start/end out of the
+    head, ``codes + 2`` puts them in (ids ``codes`` and ``codes + 1``, see ``leading_tokens``).
+    """
     ar, vision, vq = recipe["ar"], recipe["vision"], recipe["vq"]
-    config = GlmImageConfig(
+    return GlmImageConfig(
         text_config={
             "vocab_size": len(tok),
             "hidden_size": ar["hidden_size"],
@@ -77,9 +97,7 @@ def build(recipe: dict[str, Any], out_dir: Path) -> None:
             "num_attention_heads": ar["num_attention_heads"],
             "num_key_value_heads": ar["num_key_value_heads"],
             "max_position_embeddings": ar["max_position_embeddings"],
-            # The LM head covers the image codes only: a random model can never emit a start/end id
-            # mid-grid, so every request yields exactly the grid the processor asked for.
-            "vision_vocab_size": codes,
+            "vision_vocab_size": head_rows,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": float(ar["rope_theta"]),
@@ -95,38 +113,64 @@ def build(recipe: dict[str, Any], out_dir: Path) -> None:
         image_start_token_id=tok.convert_tokens_to_ids(IMAGE_START),
         image_end_token_id=tok.convert_tokens_to_ids(IMAGE_END),
     )
-    torch.manual_seed(seed)
-    ar_model = GlmImageForConditionalGeneration(config).eval()
 
-    glyph = recipe["glyph_encoder"]
-    torch.manual_seed(seed + 1)
-    text_encoder = T5EncoderModel(T5Config(vocab_size=BYT5_VOCAB, **glyph)).eval()
 
-    dit = recipe["transformer"]
-    torch.manual_seed(seed + 2)
-    transformer = GlmImageTransformer2DModel(
-        in_channels=recipe["vae"]["latent_channels"],
-        out_channels=recipe["vae"]["latent_channels"],
-        text_embed_dim=glyph["d_model"],
+def build_glyph_encoder(recipe: dict[str, Any]) -> T5EncoderModel:
+    """The T5 glyph encoder (random: it only sees quoted text)."""
+    torch.manual_seed(int(recipe["seed"]) + 1)
+    return T5EncoderModel(T5Config(vocab_size=BYT5_VOCAB, **recipe["glyph_encoder"])).eval()
+
+
+def build_dit(recipe: dict[str, Any], codes: int) -> GlmImageTransformer2DModel:
+    torch.manual_seed(int(recipe["seed"]) + 2)
+    channels = recipe["vae"]["latent_channels"]
+    return GlmImageTransformer2DModel(
+        in_channels=channels,
+        out_channels=channels,
+        text_embed_dim=recipe["glyph_encoder"]["d_model"],
         prior_vq_quantizer_codebook_size=codes,
-        **dit,
+        **recipe["transformer"],
     )
 
-    vae_cfg = recipe["vae"]
-    torch.manual_seed(seed + 3)
-    vae = tiny_autoencoder(
-        vae_cfg,
-        sample_size=64,
-        latents_mean=[0.0] * vae_cfg["latent_channels"],
-        latents_std=[1.0] * vae_cfg["latent_channels"],
-    )
+
+def build_vae(recipe: dict[str, Any], sample_size: int, **extra: Any) -> AutoencoderKL:
+    """The VAE with identity latent statistics (a trained model measures and stores its own)."""
+    channels = recipe["vae"]["latent_channels"]
+    torch.manual_seed(int(recipe["seed"]) + 3)
+    return tiny_autoencoder(recipe["vae"], sample_size=sample_size, latents_mean=[0.0] * channels,
+                            latents_std=[1.0] * channels, **extra)
+
+
+def save_glm_image(
+    out_dir: Path,
+    *,
+    processor: GlmImageProcessor,
+    ar: GlmImageForConditionalGeneration,
+    glyph_encoder: T5EncoderModel,
+    transformer: GlmImageTransformer2DModel,
+    vae: AutoencoderKL,
+) -> Path:
+    """Save the components as a GLM-Image checkpoint folder (the real layout, ``from_pretrained``-able)."""
     pipe = GlmImagePipeline(
         tokenizer=ByT5Tokenizer(),
         processor=processor,
-        text_encoder=text_encoder,
-        vision_language_encoder=ar_model,
-        vae=vae,
-        transformer=transformer,
+        text_encoder=glyph_encoder.eval(),
+        vision_language_encoder=ar.eval(),
+        vae=vae.eval(),
+        transformer=transformer.eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(),
     )
     pipe.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def build(recipe: dict[str, Any], out_dir: Path) -> None:
+    codes = int(recipe["vision_codes"])
+    processor = build_processor(codes)
+    # The LM head covers the image codes only: a random model can never emit a start/end id mid-grid, so
+    # every request yields exactly the grid the processor asked for.
+    config = ar_config(recipe, processor.tokenizer, codes=codes, head_rows=codes)
+    torch.manual_seed(int(recipe["seed"]))
+    ar_model = GlmImageForConditionalGeneration(config).eval()
+    save_glm_image(out_dir, processor=processor, ar=ar_model, glyph_encoder=build_glyph_encoder(recipe),
+                   transformer=build_dit(recipe, codes), vae=build_vae(recipe, sample_size=64))
