@@ -3,6 +3,9 @@
 Each model has a recipe in ``assets/models/<name>.yaml`` and a builder here. The cache folder's name
 carries a fingerprint of the recipe and the library versions, so a changed recipe (or an upgraded
 library whose save format changed) builds afresh instead of loading something stale.
+
+A trained model has no builder: its files ship in ``assets/models/<name>/`` (an HF-format folder) and
+are used in place; its fingerprint is a hash of those files.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +32,16 @@ class BuiltinModel:
     name: str
     family: str
     description: str
-    builder: str  # module in engine.tiny with a build(recipe, out_dir) function
+    builder: str | None  # module in engine.tiny with a build(recipe, out_dir) function; None: shipped files
+
+    @property
+    def shipped(self) -> bool:
+        """True for a trained model whose files ship in ``assets/models/<name>/`` instead of being built."""
+        return self.builder is None
+
+    @property
+    def shipped_path(self) -> Path:
+        return MODEL_RECIPES_DIR / self.name
 
     @property
     def recipe_path(self) -> Path:
@@ -38,7 +51,9 @@ class BuiltinModel:
         return yaml.safe_load(self.recipe_path.read_text())
 
     def fingerprint(self) -> str:
-        """Recipe text + library versions: what decides the built bytes."""
+        """Recipe text + library versions: what decides the built bytes (shipped files: their hash)."""
+        if self.shipped:
+            return _folder_digest(self.shipped_path)
         import diffusers
         import torch
         import transformers
@@ -58,9 +73,22 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel("tiny-glm-image", "glm-image", "GLM-Image architecture, AR -> DiT -> VAE (random weights)", "glm_image"),
         BuiltinModel("tiny-chat", "chat", "Llama-architecture chat LM, AR only (random weights)", "chat"),
         BuiltinModel("tiny-diffusion", "diffusion", "Stable Diffusion 3 architecture, diffusion only (random weights)", "diffusion"),
+        BuiltinModel("tiny-glm-shapes", "glm-image", "GLM-Image architecture trained on a world of coloured shapes (draws what you ask)", None),
     )
 }
 DEFAULT_MODEL = "tiny-glm-image"
+
+
+@lru_cache(maxsize=16)
+def _folder_digest(folder: Path) -> str:
+    """Hash of every file's relative path and bytes (shipped folders are read-only, so cached)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"the shipped model folder {folder} is missing")
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(folder)).encode() + b"\0")
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _builder(model: BuiltinModel) -> Callable[[dict[str, Any], Path], None]:
@@ -73,14 +101,23 @@ def build_builtin_model(name: str, out_dir: Path) -> Path:
     """Build ``name`` into ``out_dir`` (which must not exist yet)."""
     model = BUILTIN_MODELS[name]
     out_dir = Path(out_dir)
+    if model.shipped:  # a copy of the shipped files
+        shutil.copytree(model.shipped_path, out_dir)
+        return out_dir
     out_dir.mkdir(parents=True)
     _builder(model)(model.recipe(), out_dir)
     return out_dir
 
 
 def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
-    """The cached build of ``name``, building it first if needed (atomically: concurrent builders are safe)."""
+    """The cached build of ``name``, building it first if needed (atomically: concurrent builders are safe).
+
+    A shipped model is used in place: its folder in the assets, nothing cached.
+    """
     model = BUILTIN_MODELS[name]
+    if model.shipped:
+        model.fingerprint()  # fails clearly if the folder is missing
+        return model.shipped_path
     cache_dir = Path(cache_dir)
     target = cache_dir / f"{name}-{model.fingerprint()}"
     if (target / COMPLETE_MARKER).exists():

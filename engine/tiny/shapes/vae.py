@@ -1,0 +1,150 @@
+"""Training the VAE (``AutoencoderKL``) on pictures of the world, then normalising its latents.
+
+1. Autoencoder: reconstruction (L1 + MSE) with a small KL term, on training-split scenes jittered in
+   position and size (so the decoder has seen more than 360 exact layouts).
+2. Latent statistics: per-channel mean/std of the encoder's latents over the training scenes, written to
+   the config (``latents_mean`` / ``latents_std``): the DiT works in that normalised space.
+3. Decoder fine-tune with the encoder frozen, on the normalised latents plus a little noise, so slightly
+   wrong DiT latents still decode to clean palette colours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL
+
+from engine.tiny.shapes.world import COLOURS, POSITIONS, SIZE, Scene, render, shape_mask
+
+
+def jittered_render(scene: Scene, rng: np.random.Generator, jitter: float) -> np.ndarray:
+    """``scene`` with its shape moved by up to ``jitter`` px and resized by up to +-15% (jitter 0: exact)."""
+    if jitter <= 0:
+        return render(scene)
+    cx, cy = POSITIONS[scene.position]
+    dx, dy = rng.uniform(-jitter, jitter, 2)
+    size = 56 * rng.uniform(0.85, 1.15)
+    image = np.empty((SIZE, SIZE, 3), dtype=np.uint8)
+    image[:] = COLOURS[scene.background]
+    image[shape_mask(scene.shape, (cx + dx, cy + dy), shape_size=size)] = COLOURS[scene.colour]
+    return image
+
+
+def to_tensor(images: Sequence[np.ndarray]) -> torch.Tensor:
+    """uint8 HWC images -> float NCHW in [-1, 1] (the pipeline's VAE range)."""
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def _load(ckpt: Path, vae: AutoencoderKL, opt: torch.optim.Optimizer) -> tuple[int, np.random.Generator]:
+    rng = np.random.default_rng(0)
+    if not ckpt.exists():
+        return 0, rng
+    state = torch.load(ckpt, weights_only=False)
+    vae.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    rng.bit_generator.state = state["rng"]
+    return state["step"], rng
+
+
+def _save(ckpt: Path, vae: AutoencoderKL, opt: torch.optim.Optimizer, step: int, rng: np.random.Generator) -> None:
+    torch.save({"model": vae.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.bit_generator.state},
+               ckpt)
+
+
+def train_autoencoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int, ckpt: Path, batch_size: int = 8,
+                      lr: float = 2e-3, kl_weight: float = 1e-6, log: Callable[[str], None] = print) -> None:
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    step, rng = _load(ckpt, vae, opt)
+    t0 = time.time()
+    vae.train()
+    while step < steps:
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * (1 - step / steps))
+        batch = [scenes[i] for i in rng.integers(len(scenes), size=batch_size)]
+        x = to_tensor([jittered_render(s, rng, jitter=8.0 if rng.random() < 0.7 else 0.0) for s in batch])
+        posterior = vae.encode(x).latent_dist
+        recon = vae.decode(posterior.sample()).sample
+        rec = (recon - x).abs().mean() + (recon - x).square().mean()
+        kl = posterior.kl().mean()
+        loss = rec + kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log(f"[vae] step {step}/{steps} rec {rec.item():.4f} kl {kl.item():.1f} {(time.time() - t0) / 60:.1f} min")
+        if step % 250 == 0 or step == steps:
+            _save(ckpt, vae, opt, step, rng)
+
+
+@torch.no_grad()
+def encode_scenes(vae: AutoencoderKL, scenes: Sequence[Scene], batch_size: int = 32) -> torch.Tensor:
+    """Raw (unnormalised) latent modes of the exact scenes: (N, C, 16, 16)."""
+    vae.eval()
+    out = []
+    for start in range(0, len(scenes), batch_size):
+        x = to_tensor([render(s) for s in scenes[start : start + batch_size]])
+        out.append(vae.encode(x).latent_dist.mode())
+    return torch.cat(out)
+
+
+def set_latent_stats(vae: AutoencoderKL, latents: torch.Tensor) -> None:
+    """Per-channel mean/std into the config: the pipeline decodes ``latents * std + mean``."""
+    mean = latents.mean(dim=(0, 2, 3))
+    std = latents.std(dim=(0, 2, 3))
+    vae.register_to_config(latents_mean=[round(float(v), 6) for v in mean],
+                           latents_std=[round(float(v), 6) for v in std])
+
+
+def normalise(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    c = latents.shape[1]
+    mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1)
+    return (latents - mean) / std
+
+
+def denormalise(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    c = latents.shape[1]
+    mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1)
+    return latents * std + mean
+
+
+def finetune_decoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int, ckpt: Path, batch_size: int = 8,
+                     lr: float = 5e-4, latent_noise: float = 0.1, log: Callable[[str], None] = print) -> None:
+    """Decoder (and post-quant conv) only; the encoder, and so the latent space the DiT learns, stay fixed."""
+    vae.encoder.requires_grad_(False)
+    if vae.quant_conv is not None:
+        vae.quant_conv.requires_grad_(False)
+    params = [p for p in vae.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    step, rng = _load(ckpt, vae, opt)
+    t0 = time.time()
+    while step < steps:
+        for group in opt.param_groups:
+            group["lr"] = lr * (0.1 + 0.9 * (1 - step / steps))
+        batch = [scenes[i] for i in rng.integers(len(scenes), size=batch_size)]
+        x = to_tensor([jittered_render(s, rng, jitter=8.0 if rng.random() < 0.3 else 0.0) for s in batch])
+        with torch.no_grad():
+            vae.encoder.eval()
+            z = normalise(vae, vae.encode(x).latent_dist.mode())
+            z = z + latent_noise * torch.from_numpy(rng.standard_normal(z.shape).astype(np.float32))
+        vae.decoder.train()
+        recon = vae.decode(denormalise(vae, z)).sample
+        loss = (recon - x).abs().mean() + (recon - x).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log(f"[vae-dec] step {step}/{steps} rec {loss.item():.4f} {(time.time() - t0) / 60:.1f} min")
+        if step % 250 == 0 or step == steps:
+            _save(ckpt, vae, opt, step, rng)
+    vae.requires_grad_(True)
+    vae.eval()
