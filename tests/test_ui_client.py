@@ -100,3 +100,25 @@ def test_export_then_import_through_the_history_endpoints(client, studio):
                                                           "", "", api_name="/import_history")
     assert "Imported 0 run(s); 1 already present" in status  # the run is there already: no duplicate
     assert "1 run(s) match" in count
+
+
+def test_the_trained_shapes_model_from_the_picker_draws_the_prompt(client):
+    """Pick `tiny-glm-shapes` (as the Chat tab's model picker does), then chat: the picture follows the prompt.
+    Switches back to the default model afterwards (the studio is shared by this module's tests)."""
+    import numpy as np
+    from PIL import Image
+
+    from engine.tiny.shapes.classify import classify
+    from engine.tiny.shapes.world import parse_caption
+
+    assert "Now serving **tiny-glm-shapes**" in client.predict("tiny-glm-shapes", api_name="/switch_model")
+    try:
+        assert client.predict(api_name="/system_info")["running"]["model"] == "tiny-glm-shapes"
+        prompt = "a yellow square on a green background, bottom right"
+        history = client.predict({"text": prompt, "files": []}, [], 5, 128, 128, 8, 1.0, "", 32, 0.0, [], 0,
+                                 api_name="/chat")[0]
+        image_part = next(p for p in history[-1]["content"] if p.get("type") == "file")
+        reading = classify(np.asarray(Image.open(image_part["file"]).convert("RGB")))  # downloaded by the client
+        assert all(reading.correct(parse_caption(prompt)).values()), reading
+    finally:
+        assert "Now serving **tiny-glm-image**" in client.predict("tiny-glm-image", api_name="/switch_model")
