@@ -45,7 +45,7 @@ def header(studio: Studio) -> str:
 
 
 def build_ui(studio: Studio) -> gr.Blocks:
-    with gr.Blocks(title="Omni Studio") as demo:
+    with gr.Blocks(title="Omni Studio", analytics_enabled=False) as demo:  # no calls home
         title = gr.Markdown(header(studio), elem_id="omni-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
