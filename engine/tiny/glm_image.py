@@ -149,8 +149,12 @@ def save_glm_image(
     glyph_encoder: T5EncoderModel,
     transformer: GlmImageTransformer2DModel,
     vae: AutoencoderKL,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Save the components as a GLM-Image checkpoint folder (the real layout, ``from_pretrained``-able)."""
+    """Save the components as a GLM-Image checkpoint folder (the real layout, ``from_pretrained``-able).
+
+    ``dtype`` other than float32 converts the DiT, the VAE and the glyph encoder (the AR stays float32).
+    """
     pipe = GlmImagePipeline(
         tokenizer=ByT5Tokenizer(),
         processor=processor,
@@ -160,6 +164,9 @@ def save_glm_image(
         transformer=transformer.eval(),
         scheduler=FlowMatchEulerDiscreteScheduler(),
     )
+    if dtype != torch.float32:
+        for module in (transformer, vae, glyph_encoder):
+            module.to(dtype)
     pipe.save_pretrained(out_dir)
     return Path(out_dir)
 

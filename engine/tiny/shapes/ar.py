@@ -28,6 +28,7 @@ from torch.nn.utils import parametrize
 from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
 
 from engine.tiny.shapes.model import IMAGE_END_ID
+from engine.tiny.shapes.training import optimiser_step, resume, save_checkpoint
 from engine.tiny.shapes.world import (
     COLOUR_PAIRS,
     MASKS,
@@ -302,13 +303,8 @@ def train_ar(
     eval_sets = {name: make_examples(processor, sc) for name, sc in evals.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(seed)
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        step = state["step"]
+    step = resume(ckpt, model, opt, gen)
+    if step:
         log(f"[ar] resumed at step {step}")
     t0 = time.time()
     model.train()
@@ -333,10 +329,7 @@ def train_ar(
                 target = corrupt_target(ex.target, gen)
             shown[k] = torch.cat([preview, target])
         loss, correct = batch_loss(model, make_batch(batch_ex, shown))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimiser_step(opt, loss, model.parameters())
         step += 1
         if step % 50 == 0:
             log(f"[ar] step {step}/{steps} loss {loss.item():.4f} tf-acc {correct.float().mean().item():.4f} "
@@ -345,8 +338,7 @@ def train_ar(
             for name, exs in eval_sets.items():
                 scores = " ".join(f"{k} {v:.3f}" for k, v in probe_scores(model, exs).items())
                 log(f"[ar] step {step} greedy free-running {name}: {scores}")
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "step": step}, ckpt)
+            save_checkpoint(ckpt, model, opt, gen, step)
     model.eval()
     materialise(lm.embed_tokens)
     materialise(model.lm_head)

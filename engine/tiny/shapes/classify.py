@@ -14,7 +14,15 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine.tiny.shapes.world import COLOUR_NAMES, POSITIONS, SHAPES, SIZE, Scene, palette_indices, shape_mask
+from engine.tiny.shapes.world import (
+    COLOUR_NAMES,
+    POSITIONS,
+    SHAPES,
+    SIZE,
+    Scene,
+    dominant_colours,
+    shape_mask,
+)
 
 ATTRIBUTES = ("shape", "colour", "background", "position")
 MIN_SHAPE_PIXELS = 200  # fewer shape-coloured pixels than this: no shape drawn
@@ -57,14 +65,7 @@ def _shift(mask: np.ndarray, dx: int, dy: int) -> np.ndarray:
 
 def classify(image: np.ndarray) -> Reading:
     """Read a (128, 128, 3) uint8 RGB image."""
-    image = np.asarray(image)[..., :3]
-    if image.shape != (SIZE, SIZE, 3):
-        raise ValueError(f"expected a {SIZE}x{SIZE} RGB image, got shape {image.shape}")
-    idx = palette_indices(image)
-    counts = np.bincount(idx.reshape(-1), minlength=len(COLOUR_NAMES))
-    background = int(counts.argmax())
-    counts[background] = -1
-    colour = int(counts.argmax())
+    idx, background, colour = dominant_colours(np.asarray(image)[..., :3])
     fg = idx == colour
     if fg.sum() < MIN_SHAPE_PIXELS:
         return Reading(None, COLOUR_NAMES[colour], COLOUR_NAMES[background], None, 0.0)

@@ -20,6 +20,7 @@ from diffusers import GlmImageTransformer2DModel
 
 from engine.processors import upsample_grid_ids
 from engine.tiny.shapes.ar import factorise, materialise
+from engine.tiny.shapes.training import optimiser_step, resume, save_checkpoint
 from engine.tiny.shapes.world import TARGET_SIDE
 
 
@@ -51,13 +52,8 @@ def train_dit(dit: GlmImageTransformer2DModel, latents: torch.Tensor, targets: t
     prior_all = upsampled_prior(targets)
     opt = torch.optim.AdamW(dit.parameters(), lr=lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)
-    step = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        dit.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        step = state["step"]
+    step = resume(ckpt, dit, opt, gen)
+    if step:
         log(f"[dit] resumed at step {step}")
     t0 = time.time()
     dit.train()
@@ -75,16 +71,12 @@ def train_dit(dit: GlmImageTransformer2DModel, latents: torch.Tensor, targets: t
         drop = torch.rand(batch_size, generator=gen) < drop_prob
         pred = dit_forward(dit, xs, prior, drop, sigma, glyph)
         loss = (pred - (noise - x0)).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
-        opt.step()
+        optimiser_step(opt, loss, dit.parameters())
         step += 1
         if step % 100 == 0:
             log(f"[dit] step {step}/{steps} loss {loss.item():.4f} {(time.time() - t0) / 60:.1f} min")
         if step % 500 == 0 or step == steps:
-            torch.save({"model": dit.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(), "step": step},
-                       ckpt)
+            save_checkpoint(ckpt, dit, opt, gen, step)
     materialise(dit.prior_token_embedding)
     dit.eval()
     return dit

@@ -15,7 +15,7 @@ import torch
 import yaml
 from diffusers import AutoencoderKL, GlmImageTransformer2DModel
 from tokenizers import AddedToken
-from transformers import GlmImageForConditionalGeneration, GlmImageProcessor, T5EncoderModel
+from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
 
 from engine.tiny import glm_image
 from engine.tiny.glm_image import (
@@ -58,21 +58,3 @@ def build_transformer(recipe: dict[str, Any]) -> GlmImageTransformer2DModel:
 
 def build_vae(recipe: dict[str, Any]) -> AutoencoderKL:
     return glm_image.build_vae(recipe, sample_size=128, layers_per_block=recipe["vae"]["layers_per_block"])
-
-
-def save_pipeline(
-    out_dir: Path,
-    *,
-    processor: GlmImageProcessor,
-    ar: GlmImageForConditionalGeneration,
-    glyph_encoder: T5EncoderModel,
-    transformer: GlmImageTransformer2DModel,
-    vae: AutoencoderKL,
-    dtype: torch.dtype = torch.float32,
-) -> Path:
-    """Save the trained components as a GLM-Image checkpoint folder (the real layout)."""
-    if dtype != torch.float32:
-        for module in (transformer, vae, glyph_encoder):
-            module.to(dtype)
-    return glm_image.save_glm_image(out_dir, processor=processor, ar=ar, glyph_encoder=glyph_encoder,
-                                    transformer=transformer, vae=vae)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.tiny.glm_image import build_glyph_encoder
+from engine.tiny.glm_image import build_glyph_encoder, save_glm_image
 from engine.tiny.shapes import ar as ar_training
 from engine.tiny.shapes import dit as dit_training
 from engine.tiny.shapes import vae as vae_training
@@ -36,7 +36,6 @@ from engine.tiny.shapes.model import (
     build_transformer,
     build_vae,
     load_recipe,
-    save_pipeline,
 )
 from engine.tiny.shapes.world import held_out_scenes, quantise, render, training_scenes
 
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = out / "model"
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    save_pipeline(model_dir, processor=processor, ar=ar_model, glyph_encoder=glyph_encoder,
+    save_glm_image(model_dir, processor=processor, ar=ar_model, glyph_encoder=glyph_encoder,
                   transformer=transformer, vae=vae, dtype=getattr(torch, recipe.get("save_dtype", "float32")))
     size = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file())
     stage_minutes = {n: torch.load(stages / f"{n}.pt", weights_only=False)["minutes"] for n in ("vae", "dit", "ar")}

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
+from engine.tiny.shapes.training import optimiser_step, resume, save_checkpoint
 from engine.tiny.shapes.world import COLOURS, POSITIONS, SIZE, Scene, render, shape_mask
 
 
@@ -39,26 +40,11 @@ def to_tensor(images: Sequence[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def _load(ckpt: Path, vae: AutoencoderKL, opt: torch.optim.Optimizer) -> tuple[int, np.random.Generator]:
-    rng = np.random.default_rng(0)
-    if not ckpt.exists():
-        return 0, rng
-    state = torch.load(ckpt, weights_only=False)
-    vae.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    rng.bit_generator.state = state["rng"]
-    return state["step"], rng
-
-
-def _save(ckpt: Path, vae: AutoencoderKL, opt: torch.optim.Optimizer, step: int, rng: np.random.Generator) -> None:
-    torch.save({"model": vae.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.bit_generator.state},
-               ckpt)
-
-
 def train_autoencoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int, ckpt: Path, batch_size: int = 8,
                       lr: float = 2e-3, kl_weight: float = 1e-6, log: Callable[[str], None] = print) -> None:
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
-    step, rng = _load(ckpt, vae, opt)
+    rng = np.random.default_rng(0)
+    step = resume(ckpt, vae, opt, rng)
     t0 = time.time()
     vae.train()
     while step < steps:
@@ -71,15 +57,12 @@ def train_autoencoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int
         rec = (recon - x).abs().mean() + (recon - x).square().mean()
         kl = posterior.kl().mean()
         loss = rec + kl_weight * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        optimiser_step(opt, loss, vae.parameters())
         step += 1
         if step % 50 == 0:
             log(f"[vae] step {step}/{steps} rec {rec.item():.4f} kl {kl.item():.1f} {(time.time() - t0) / 60:.1f} min")
         if step % 250 == 0 or step == steps:
-            _save(ckpt, vae, opt, step, rng)
+            save_checkpoint(ckpt, vae, opt, rng, step)
 
 
 @torch.no_grad()
@@ -123,7 +106,8 @@ def finetune_decoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int,
         vae.quant_conv.requires_grad_(False)
     params = [p for p in vae.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    step, rng = _load(ckpt, vae, opt)
+    rng = np.random.default_rng(0)
+    step = resume(ckpt, vae, opt, rng)
     t0 = time.time()
     while step < steps:
         for group in opt.param_groups:
@@ -137,14 +121,11 @@ def finetune_decoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int,
         vae.decoder.train()
         recon = vae.decode(denormalise(vae, z)).sample
         loss = (recon - x).abs().mean() + (recon - x).square().mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        optimiser_step(opt, loss, params)
         step += 1
         if step % 50 == 0:
             log(f"[vae-dec] step {step}/{steps} rec {loss.item():.4f} {(time.time() - t0) / 60:.1f} min")
         if step % 250 == 0 or step == steps:
-            _save(ckpt, vae, opt, step, rng)
+            save_checkpoint(ckpt, vae, opt, rng, step)
     vae.requires_grad_(True)
     vae.eval()

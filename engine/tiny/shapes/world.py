@@ -152,15 +152,21 @@ def split_target_code(code: int) -> tuple[int, int, int]:
     return colour, background, code % MASKS
 
 
-def quantise(image: np.ndarray) -> Codes:
-    """The AR's preview and target codes of a 128x128 RGB image (a fixed, deterministic function)."""
+def dominant_colours(image: np.ndarray) -> tuple[np.ndarray, int, int]:
+    """Palette index of every pixel of a 128x128 RGB image, the background (the commonest colour) and the
+    shape colour (the next; a blank image gets the first other colour)."""
     if image.shape != (SIZE, SIZE, 3):
         raise ValueError(f"expected a {SIZE}x{SIZE} RGB image, got shape {image.shape}")
     idx = palette_indices(image)
     counts = np.bincount(idx.reshape(-1), minlength=len(PALETTE))
     background = int(counts.argmax())
     counts[background] = -1
-    colour = int(counts.argmax())  # a blank image gets the first other colour
+    return idx, background, int(counts.argmax())
+
+
+def quantise(image: np.ndarray) -> Codes:
+    """The AR's preview and target codes of a 128x128 RGB image (a fixed, deterministic function)."""
+    idx, background, colour = dominant_colours(image)
     fg = (idx != background).astype(np.float32)
     preview = np.where(_block_means(fg, SIZE // PREVIEW_SIDE) > 0.5, PREVIEW_SHAPE, PREVIEW_BACKGROUND)
     quarters = _block_means(fg, SIZE // TARGET_SIDE // 2) > 0.5  # (8, 8) bits
