@@ -248,27 +248,6 @@ def probe_scores(model: GlmImageForConditionalGeneration, examples: Sequence[ARE
             "ends": (gen[:, -1] == IMAGE_END_ID).float().mean().item()}
 
 
-@torch.inference_mode()
-def generate_codes(model: GlmImageForConditionalGeneration, processor: GlmImageProcessor, captions: Sequence[str],
-                   batch_size: int = 48, do_sample: bool = False, seed: int = 0) -> torch.Tensor:
-    """Free-running generation through ``generate`` (as the pipeline runs it): (N, 273) generated ids."""
-    model.eval()
-    outs = []
-    for start in range(0, len(captions), batch_size):
-        chunk = captions[start : start + batch_size]
-        inputs = processor.apply_chat_template(
-            [[{"role": "user", "content": [{"type": "text", "text": c}]}] for c in chunk],
-            tokenize=True, padding=True, target_h=128, target_w=128, return_dict=True, return_tensors="pt",
-        )
-        torch.manual_seed(seed)
-        out = model.generate(**inputs, max_new_tokens=GENERATED, do_sample=do_sample)
-        gen = out[:, inputs["input_ids"].shape[1] :]
-        if gen.shape[1] < GENERATED:  # every row ended early: pad with end tokens
-            gen = torch.cat([gen, torch.full((gen.shape[0], GENERATED - gen.shape[1]), IMAGE_END_ID)], dim=1)
-        outs.append(gen)
-    return torch.cat(outs)
-
-
 def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup

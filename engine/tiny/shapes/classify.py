@@ -71,14 +71,14 @@ def classify(image: np.ndarray) -> Reading:
         return Reading(None, COLOUR_NAMES[colour], COLOUR_NAMES[background], None, 0.0)
     ys, xs = np.nonzero(fg)
     centroid = np.array([xs.mean() + 0.5, ys.mean() + 0.5])
+    templates = _templates()
     best_shape, best_iou = None, -1.0
-    for shape, (template, offset) in _templates().items():
+    for shape, (template, offset) in templates.items():
         box_centre = centroid - offset
         moved = _shift(template, int(round(box_centre[0] - SIZE / 2)), int(round(box_centre[1] - SIZE / 2)))
         iou = float((moved & fg).sum() / max((moved | fg).sum(), 1))
         if iou > best_iou:
             best_shape, best_iou = shape, iou
-    templates = _templates()
     position = min(
         POSITIONS,
         key=lambda p: float(np.linalg.norm(centroid - (np.array(POSITIONS[p]) + templates[best_shape][1]))),

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from engine.tiny.shapes.classify import ATTRIBUTES, Reading, classify
-from engine.tiny.shapes.world import Scene, all_scenes
+from engine.tiny.shapes.world import Scene, all_scenes, held_out_scenes, training_scenes
 
 DEPLOY_PATH = Path(__file__).resolve().parents[3] / "assets" / "deploy" / "tiny-glm-shapes.yaml"
 
@@ -66,8 +66,7 @@ class Evaluation:
 def pick_scenes(held_out: int | None, training: int | None, seed: int = 0) -> list[Scene]:
     """Held-out and training scenes to score (None: all of that split; a number: a fixed random sample)."""
     rng = random.Random(seed)
-    held = [s for s in all_scenes() if s.held_out]
-    train = [s for s in all_scenes() if not s.held_out]
+    held, train = held_out_scenes(), training_scenes()
     if held_out is not None and held_out < len(held):
         held = rng.sample(held, held_out)
     if training is not None and training < len(train):

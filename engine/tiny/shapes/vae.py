@@ -19,20 +19,15 @@ import torch
 from diffusers import AutoencoderKL
 
 from engine.tiny.shapes.training import optimiser_step, resume, save_checkpoint
-from engine.tiny.shapes.world import COLOURS, POSITIONS, SIZE, Scene, render, shape_mask
+from engine.tiny.shapes.world import SHAPE_SIZE, Scene, render
 
 
 def jittered_render(scene: Scene, rng: np.random.Generator, jitter: float) -> np.ndarray:
     """``scene`` with its shape moved by up to ``jitter`` px and resized by up to +-15% (jitter 0: exact)."""
     if jitter <= 0:
         return render(scene)
-    cx, cy = POSITIONS[scene.position]
     dx, dy = rng.uniform(-jitter, jitter, 2)
-    size = 56 * rng.uniform(0.85, 1.15)
-    image = np.empty((SIZE, SIZE, 3), dtype=np.uint8)
-    image[:] = COLOURS[scene.background]
-    image[shape_mask(scene.shape, (cx + dx, cy + dy), shape_size=size)] = COLOURS[scene.colour]
-    return image
+    return render(scene, offset=(float(dx), float(dy)), shape_size=SHAPE_SIZE * rng.uniform(0.85, 1.15))
 
 
 def to_tensor(images: Sequence[np.ndarray]) -> torch.Tensor:
@@ -84,17 +79,19 @@ def set_latent_stats(vae: AutoencoderKL, latents: torch.Tensor) -> None:
                            latents_std=[round(float(v), 6) for v in std])
 
 
+def _latent_stats(vae: AutoencoderKL) -> tuple[torch.Tensor, torch.Tensor]:
+    """The config's per-channel mean and std, shaped (1, C, 1, 1)."""
+    return (torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1),
+            torch.tensor(vae.config.latents_std).view(1, -1, 1, 1))
+
+
 def normalise(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
-    c = latents.shape[1]
-    mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1)
+    mean, std = _latent_stats(vae)
     return (latents - mean) / std
 
 
 def denormalise(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
-    c = latents.shape[1]
-    mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1)
-    std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1)
+    mean, std = _latent_stats(vae)
     return latents * std + mean
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -92,12 +93,14 @@ def held_out_scenes() -> list[Scene]:
     return [s for s in all_scenes() if s.held_out]
 
 
+@lru_cache(maxsize=1)
+def _scenes_by_caption() -> dict[str, Scene]:
+    return {scene.caption: scene for scene in all_scenes()}
+
+
 def parse_caption(caption: str) -> Scene | None:
     """The scene a caption names (None if it is not one of the world's captions)."""
-    for scene in all_scenes():
-        if scene.caption == caption.strip():
-            return scene
-    return None
+    return _scenes_by_caption().get(caption.strip())
 
 
 def shape_mask(shape: str, centre: tuple[float, float], size: int = SIZE, shape_size: float = SHAPE_SIZE) -> np.ndarray:
@@ -116,11 +119,12 @@ def shape_mask(shape: str, centre: tuple[float, float], size: int = SIZE, shape_
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def render(scene: Scene) -> np.ndarray:
-    """The scene as a (128, 128, 3) uint8 RGB array."""
+def render(scene: Scene, offset: tuple[float, float] = (0.0, 0.0), shape_size: float = SHAPE_SIZE) -> np.ndarray:
+    """The scene as a (128, 128, 3) uint8 RGB array (``offset``/``shape_size``: a jittered variant)."""
+    cx, cy = POSITIONS[scene.position]
     image = np.empty((SIZE, SIZE, 3), dtype=np.uint8)
     image[:] = COLOURS[scene.background]
-    image[shape_mask(scene.shape, POSITIONS[scene.position])] = COLOURS[scene.colour]
+    image[shape_mask(scene.shape, (cx + offset[0], cy + offset[1]), shape_size=shape_size)] = COLOURS[scene.colour]
     return image
 
 
@@ -140,16 +144,6 @@ def _block_means(mask: np.ndarray, cell: int) -> np.ndarray:
 class Codes:
     preview: np.ndarray  # (16, 16) ids
     target: np.ndarray  # (4, 4) ids
-
-
-def target_code(colour: int, background: int, mask: int) -> int:
-    return COLOUR_PAIRS.index((colour, background)) * MASKS + mask
-
-
-def split_target_code(code: int) -> tuple[int, int, int]:
-    """(shape colour, background colour, 2x2 mask) of a target code."""
-    colour, background = COLOUR_PAIRS[code // MASKS]
-    return colour, background, code % MASKS
 
 
 def dominant_colours(image: np.ndarray) -> tuple[np.ndarray, int, int]:
