@@ -23,8 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.servers import start_server  # noqa: E402
 
-PAYLOAD = {"messages": [{"role": "user", "content": "a red 'cat'"}], "seed": 1,
-           "extra_body": {"height": 64, "width": 64, "num_inference_steps": 4}}
+PAYLOAD = {
+    "messages": [{"role": "user", "content": "a red 'cat'"}],
+    "seed": 1,
+    "extra_body": {"height": 64, "width": 64, "num_inference_steps": 4},
+}
 
 
 def main() -> None:
@@ -44,12 +47,16 @@ def main() -> None:
     import yaml
 
     deploy_path = data_dir / "deploy.yaml"
-    base = yaml.safe_load((Path(__file__).resolve().parent.parent / "assets/deploy/tiny-glm-image.yaml").read_text())
+    base = yaml.safe_load(
+        (Path(__file__).resolve().parent.parent / "assets/deploy/tiny-glm-image.yaml").read_text()
+    )
     base["stages"][0]["backend"] = deploy["stages"][0]["backend"]
     deploy_path.write_text(yaml.safe_dump(base))
 
     engine = build_engine("tiny-glm-image", deploy_path, data_dir=data_dir)
-    request = GenerationRequest("a red 'cat'", GenerationParams(seed=1, height=64, width=64, num_inference_steps=4))
+    request = GenerationRequest(
+        "a red 'cat'", GenerationParams(seed=1, height=64, width=64, num_inference_steps=4)
+    )
     server = start_server(["serve", "--deploy-config", str(deploy_path)], data_dir / "server")
     try:
         client = httpx.Client(base_url=server.url, timeout=300)
@@ -70,8 +77,10 @@ def main() -> None:
         paired = statistics.median(b - a for a, b in zip(direct, http, strict=True)) * 1000
         print(f"direct engine  median {d:8.1f} ms")
         print(f"HTTP           median {h:8.1f} ms")
-        print(f"overhead       median of paired differences {paired:8.1f} ms "
-              f"(target <= 15 ms: {'ok' if paired <= 15 else 'over'}; ratio {paired / 15:.2f})")
+        print(
+            f"overhead       median of paired differences {paired:8.1f} ms "
+            f"(target <= 15 ms: {'ok' if paired <= 15 else 'over'}; ratio {paired / 15:.2f})"
+        )
         print()
         # The levels alternate round by round, so a slow phase of the machine hits every level alike.
         levels = (1, 4, 16)
@@ -88,10 +97,14 @@ def main() -> None:
                 with ThreadPoolExecutor(concurrency) as pool:
                     list(pool.map(worker, range(concurrency)))
                 rates[concurrency].append(concurrency * args.per_worker / (time.perf_counter() - t))
-        print(f"{'concurrency':>11} {'requests':>9} {'req/s (median of ' + str(args.rounds) + ' rounds)':>28}  rounds")
+        print(
+            f"{'concurrency':>11} {'requests':>9} {'req/s (median of ' + str(args.rounds) + ' rounds)':>28}  rounds"
+        )
         for level in levels:
             each = " ".join(f"{r:.2f}" for r in rates[level])
-            print(f"{level:>11} {level * args.per_worker:>9} {statistics.median(rates[level]):>28.2f}  {each}")
+            print(
+                f"{level:>11} {level * args.per_worker:>9} {statistics.median(rates[level]):>28.2f}  {each}"
+            )
     finally:
         server.stop()
 

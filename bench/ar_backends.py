@@ -45,8 +45,16 @@ def make_jobs(count: int, size: int, offset: int = 0) -> list[Any]:
         def ignore(event: EngineEvent) -> None:
             pass
 
-        jobs.append(StageJob(f"bench-{i}", 0, {"prompt": f"a tiny lighthouse number {i}", "image": None}, params,
-                             ignore, OutputAccumulator((OutputModality.TOKEN_IDS,))))
+        jobs.append(
+            StageJob(
+                f"bench-{i}",
+                0,
+                {"prompt": f"a tiny lighthouse number {i}", "image": None},
+                params,
+                ignore,
+                OutputAccumulator((OutputModality.TOKEN_IDS,)),
+            )
+        )
     return jobs
 
 
@@ -108,8 +116,12 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=64, help="image side in pixels (multiple of 32)")
     parser.add_argument("--repeat", type=int, default=5, help="rounds per measurement (the median is shown)")
     parser.add_argument("--data-dir", type=Path, default=None)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="AR weights (auto: float32, like the transformers backend)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="AR weights (auto: float32, like the transformers backend)",
+    )
     args = parser.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -125,7 +137,12 @@ def main() -> int:
     quiet_libraries()
     source = describe_model(args.model)
     device = resolve_device("auto")
-    stage0: dict[str, Any] = {"stage_id": 0, "max_num_seqs": BATCH, "enforce_eager": True, "dtype": args.dtype}
+    stage0: dict[str, Any] = {
+        "stage_id": 0,
+        "max_num_seqs": BATCH,
+        "enforce_eager": True,
+        "dtype": args.dtype,
+    }
     if device.type == "cuda":  # two vLLM engines share the GPU here
         stage0["gpu_memory_utilization"] = GPU_SHARE
     stage = build_pipeline_config(source, {"stages": [stage0]}).stage(0)
@@ -149,8 +166,13 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if device.type == "cpu" else "1"
     t = time.perf_counter()
     llm = LLM(
-        model=engine_args.model, tokenizer=engine_args.tokenizer, skip_tokenizer_init=True, dtype=engine_args.dtype,
-        enforce_eager=engine_args.enforce_eager, max_num_seqs=BATCH, seed=0,
+        model=engine_args.model,
+        tokenizer=engine_args.tokenizer,
+        skip_tokenizer_init=True,
+        dtype=engine_args.dtype,
+        enforce_eager=engine_args.enforce_eager,
+        max_num_seqs=BATCH,
+        seed=0,
         kv_cache_memory_bytes=engine_args.kv_cache_memory_bytes,
         **({"gpu_memory_utilization": GPU_SHARE} if device.type == "cuda" else {}),
     )
@@ -203,7 +225,9 @@ def main() -> int:
             row[key] = statistics.median(row[key])
 
     # -- report -------------------------------------------------------------------------------------
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch thread(s); {budget} tokens per request")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch thread(s); {budget} tokens per request"
+    )
     print(f"{'backend':<34}{'start s':>9}{'b1 tok/s':>11}{'b8 tok/s':>11}{'16@50ms mean latency s':>25}")
     names = {"ours": "our vLLM stage runner", "vllm": "vLLM LLM.generate", "transformers": "transformers"}
     for key, label in names.items():
@@ -212,8 +236,10 @@ def main() -> int:
         print(f"{label:<34}{row['start']:>9.2f}{row['b1']:>11.0f}{row['b8']:>11.0f}{latency:>25}")
     for batch_key in ("b1", "b8"):
         ours_rate, vllm_rate, ref_rate = (results[k][batch_key] for k in ("ours", "vllm", "transformers"))
-        print(f"{batch_key}: ours / vLLM own = {ours_rate / vllm_rate:.2f} (target >= 0.90), "
-              f"ours / transformers = {ours_rate / ref_rate:.2f}")
+        print(
+            f"{batch_key}: ours / vLLM own = {ours_rate / vllm_rate:.2f} (target >= 0.90), "
+            f"ours / transformers = {ours_rate / ref_rate:.2f}"
+        )
     return 0
 
 

@@ -36,18 +36,28 @@ def main() -> None:
     from studio.runtime import quiet_libraries
 
     quiet_libraries()
-    engine = build_engine("tiny-glm-image", {"stages": [{"stage_id": 0, "backend": "transformers"}]},
-                          data_dir=tempfile.mkdtemp())
+    engine = build_engine(
+        "tiny-glm-image",
+        {"stages": [{"stage_id": 0, "backend": "transformers"}]},
+        data_dir=tempfile.mkdtemp(),
+    )
     pipe = GlmImagePipeline.from_pretrained(engine.model.path)
     pipe.set_progress_bar_config(disable=True)
     print(f"{'size':>6} {'engine ms':>10} {'one-shot ms':>12} {'ratio':>7}  same bytes")
     for size in args.sizes:
-        request = GenerationRequest("a red 'cat'", GenerationParams(seed=1, height=size, width=size,
-                                                                     num_inference_steps=args.steps))
+        request = GenerationRequest(
+            "a red 'cat'", GenerationParams(seed=1, height=size, width=size, num_inference_steps=args.steps)
+        )
 
         def one_shot(size: int = size):
-            return pipe("a red 'cat'", height=size, width=size, num_inference_steps=args.steps,
-                        guidance_scale=1.5, generator=torch.Generator().manual_seed(1)).images[0]
+            return pipe(
+                "a red 'cat'",
+                height=size,
+                width=size,
+                num_inference_steps=args.steps,
+                guidance_scale=1.5,
+                generator=torch.Generator().manual_seed(1),
+            ).images[0]
 
         same = png(engine.run(request).images[0]) == png(one_shot())  # also warms both up
         engine_times, direct_times = [], []

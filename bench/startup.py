@@ -27,8 +27,10 @@ from tests.servers import free_port  # noqa: E402
 
 def ready(url: str) -> bool:
     with contextlib.suppress(httpx.HTTPError):
-        return (httpx.get(url + "/", timeout=1).status_code == 200
-                and httpx.get(url + "/v1/models", timeout=1).status_code == 200)
+        return (
+            httpx.get(url + "/", timeout=1).status_code == 200
+            and httpx.get(url + "/v1/models", timeout=1).status_code == 200
+        )
     return False
 
 
@@ -45,9 +47,24 @@ def main() -> None:
         port = free_port()
         started = time.perf_counter()
         process = subprocess.Popen(
-            [sys.executable, "-m", "studio.cli", "ui", "--model", args.model, *args.extra, "--host", "127.0.0.1",
-             "--port", str(port), "--data-dir", str(data_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ},
+            [
+                sys.executable,
+                "-m",
+                "studio.cli",
+                "ui",
+                "--model",
+                args.model,
+                *args.extra,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ},
         )
         try:
             while not ready(f"http://127.0.0.1:{port}"):
@@ -64,8 +81,10 @@ def main() -> None:
         else:
             print(f"warm-up (builds the model cache): {elapsed:.2f} s")
     median = statistics.median(times)
-    print(f"median cold start {median:.2f} s (target <= 10 s: {'ok' if median <= 10 else 'over'}; "
-          f"ratio {median / 10:.2f})")
+    print(
+        f"median cold start {median:.2f} s (target <= 10 s: {'ok' if median <= 10 else 'over'}; "
+        f"ratio {median / 10:.2f})"
+    )
 
 
 if __name__ == "__main__":

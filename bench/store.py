@@ -41,13 +41,35 @@ from studio.store.models import Output, Run, RunStage  # noqa: E402
 
 RECORD_TARGET_MS = 5.0
 QUERY_TARGET_MS = 100.0
-WORDS = ["red", "fox", "cat", "owl", "blue", "sky", "snow", "forest", "city", "night", "portrait", "castle",
-         "river", "mountain", "robot"]
+WORDS = [
+    "red",
+    "fox",
+    "cat",
+    "owl",
+    "blue",
+    "sky",
+    "snow",
+    "forest",
+    "city",
+    "night",
+    "portrait",
+    "castle",
+    "river",
+    "mountain",
+    "robot",
+]
 
 
 def resolved(i: int) -> ResolvedRequest:
     request = GenerationRequest(f"a red fox number {i}", GenerationParams(seed=i, num_inference_steps=4))
-    parameters = {"seed": i, "n": 1, "num_inference_steps": 4, "height": 64, "width": 64, "modalities": ["image"]}
+    parameters = {
+        "seed": i,
+        "n": 1,
+        "num_inference_steps": 4,
+        "height": 64,
+        "width": 64,
+        "modalities": ["image"],
+    }
     return ResolvedRequest(request, i, parameters, {0: {"seed": i}, 1: {"seed": i}}, ())
 
 
@@ -79,8 +101,14 @@ def bench_recording(store: RunStore, runs: int, pre_encoded: bool) -> tuple[floa
                 png_bytes(picture)
             r = resolved(i)
             started = time.perf_counter()
-            tracker = recorder.start_run("api", r, config, "tiny-glm-image", "omni-studio-0.1.0-abcd1234",
-                                         {"model": "tiny-glm-image", "prompt": r.request.prompt})
+            tracker = recorder.start_run(
+                "api",
+                r,
+                config,
+                "tiny-glm-image",
+                "omni-studio-0.1.0-abcd1234",
+                {"model": "tiny-glm-image", "prompt": r.request.prompt},
+            )
             for event in events(r, picture):
                 tracker.observe(event)
             enqueued = time.perf_counter()
@@ -98,8 +126,15 @@ def bench_recording(store: RunStore, runs: int, pre_encoded: bool) -> tuple[floa
 def fill_history(store: RunStore, count: int) -> None:
     """``count`` finished runs with two stages and one output each, written in bulk."""
     config = build_pipeline_config(describe_model("tiny-glm-image"))
-    seed_run = store.create_run(source="api", prompt="seed", model="tiny-glm-image", request={}, parameters={},
-                                config=config.to_dict(), config_hash=config.config_hash())
+    seed_run = store.create_run(
+        source="api",
+        prompt="seed",
+        model="tiny-glm-image",
+        request={},
+        parameters={},
+        config=config.to_dict(),
+        config_hash=config.config_hash(),
+    )
     rng = random.Random(0)
     now = datetime.now(UTC)
     statuses = ["succeeded"] * 8 + ["failed", "cancelled"]
@@ -110,19 +145,51 @@ def fill_history(store: RunStore, count: int) -> None:
             for i in range(start, min(count, start + 1000)):
                 run_id = uuid.uuid4().hex
                 created = now - timedelta(seconds=i * 37)
-                runs.append({
-                    "id": run_id, "source": rng.choice(["ui", "api", "cli"]), "created_at": created,
-                    "started_at": created, "finished_at": created + timedelta(seconds=1),
-                    "status": rng.choice(statuses), "prompt": " ".join(rng.choices(WORDS, k=8)),
-                    "model": rng.choice(models), "request": {"seed": i}, "parameters": {"seed": i, "n": 1},
-                    "seed": i, "config_hash": config.config_hash(), "fingerprint": "omni-studio-0.1.0-abcd1234",
-                })
+                runs.append(
+                    {
+                        "id": run_id,
+                        "source": rng.choice(["ui", "api", "cli"]),
+                        "created_at": created,
+                        "started_at": created,
+                        "finished_at": created + timedelta(seconds=1),
+                        "status": rng.choice(statuses),
+                        "prompt": " ".join(rng.choices(WORDS, k=8)),
+                        "model": rng.choice(models),
+                        "request": {"seed": i},
+                        "parameters": {"seed": i, "n": 1},
+                        "seed": i,
+                        "config_hash": config.config_hash(),
+                        "fingerprint": "omni-studio-0.1.0-abcd1234",
+                    }
+                )
                 for stage_id, kind in ((0, "ar"), (1, "diffusion")):
-                    stages.append({"run_id": run_id, "variant_index": 0, "stage_id": stage_id, "kind": kind,
-                                   "status": "succeeded", "started_at": created, "finished_at": created,
-                                   "queue_seconds": 0.0, "input_tokens": 5, "output_tokens": 16, "batch_size": 1})
-                outputs.append({"run_id": run_id, "index": 0, "kind": "image", "sha256": f"{i:064x}",
-                                "mime": "image/png", "width": 64, "height": 64, "size_bytes": 4096})
+                    stages.append(
+                        {
+                            "run_id": run_id,
+                            "variant_index": 0,
+                            "stage_id": stage_id,
+                            "kind": kind,
+                            "status": "succeeded",
+                            "started_at": created,
+                            "finished_at": created,
+                            "queue_seconds": 0.0,
+                            "input_tokens": 5,
+                            "output_tokens": 16,
+                            "batch_size": 1,
+                        }
+                    )
+                outputs.append(
+                    {
+                        "run_id": run_id,
+                        "index": 0,
+                        "kind": "image",
+                        "sha256": f"{i:064x}",
+                        "mime": "image/png",
+                        "width": 64,
+                        "height": 64,
+                        "size_bytes": 4096,
+                    }
+                )
             connection.execute(insert(Run), runs)
             connection.execute(insert(RunStage), stages)
             connection.execute(insert(Output), outputs)
@@ -130,8 +197,9 @@ def fill_history(store: RunStore, count: int) -> None:
 
 
 def bench_query(store: RunStore, repeats: int = 20) -> tuple[float, int]:
-    selection = RunFilter(search="fox", status="succeeded", model="tiny-glm-image",
-                          since=datetime.now(UTC) - timedelta(days=30))
+    selection = RunFilter(
+        search="fox", status="succeeded", model="tiny-glm-image", since=datetime.now(UTC) - timedelta(days=30)
+    )
     times, found = [], 0
     for i in range(repeats + 3):
         started = time.perf_counter()
@@ -167,7 +235,9 @@ def backends() -> list[tuple[str, str | None, callable]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200, help="runs recorded for the overhead figure")
-    parser.add_argument("--history", type=int, default=10_000, help="runs in the database for the query figure")
+    parser.add_argument(
+        "--history", type=int, default=10_000, help="runs in the database for the query figure"
+    )
     args = parser.parse_args()
     if not os.environ.get("OMNI_STUDIO_TEST_PG_URL"):
         print("(OMNI_STUDIO_TEST_PG_URL not set: SQLite only)")
@@ -190,13 +260,19 @@ def main() -> None:
 
     print(f"\nrecording overhead per run (median of {args.runs}; target < {RECORD_TARGET_MS:g} ms)")
     for name, record_ms, record_png_ms, caller_ms, *_ in rows:
-        print(f"  {name:<10} {record_ms:6.2f} ms  ratio to target {record_ms / RECORD_TARGET_MS:4.2f}"
-              f"   | with PNG encoding {record_png_ms:6.2f} ms | caller (event loop) {caller_ms:5.3f} ms")
-    print(f"\nfiltered history query over {args.history:,} runs: list 50 + count "
-          f"(median of 20; target < {QUERY_TARGET_MS:g} ms)")
+        print(
+            f"  {name:<10} {record_ms:6.2f} ms  ratio to target {record_ms / RECORD_TARGET_MS:4.2f}"
+            f"   | with PNG encoding {record_png_ms:6.2f} ms | caller (event loop) {caller_ms:5.3f} ms"
+        )
+    print(
+        f"\nfiltered history query over {args.history:,} runs: list 50 + count "
+        f"(median of 20; target < {QUERY_TARGET_MS:g} ms)"
+    )
     for name, *_, query_ms, found in rows:
-        print(f"  {name:<10} {query_ms:6.2f} ms  ratio to target {query_ms / QUERY_TARGET_MS:4.2f}"
-              f"   ({found:,} matching runs)")
+        print(
+            f"  {name:<10} {query_ms:6.2f} ms  ratio to target {query_ms / QUERY_TARGET_MS:4.2f}"
+            f"   ({found:,} matching runs)"
+        )
 
 
 if __name__ == "__main__":

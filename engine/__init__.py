@@ -12,12 +12,34 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "engine.engine": ("EngineBuildError", "EngineBusy", "EngineClosed", "OmniEngine", "build_engine",
-                      "build_pipeline_config", "device_problems"),
-    "engine.events": ("DiffusionStep", "EngineEvent", "RunFailed", "RunFinished", "RunOutput", "StageFinished",
-                      "StageStarted", "TextDelta", "TokenProgress"),
+    "engine.engine": (
+        "EngineBuildError",
+        "EngineBusy",
+        "EngineClosed",
+        "OmniEngine",
+        "build_engine",
+        "build_pipeline_config",
+        "device_problems",
+    ),
+    "engine.events": (
+        "DiffusionStep",
+        "EngineEvent",
+        "RunFailed",
+        "RunFinished",
+        "RunOutput",
+        "StageFinished",
+        "StageStarted",
+        "TextDelta",
+        "TokenProgress",
+    ),
     "engine.modality": ("OutputModality", "parse_output_modalities"),
-    "engine.request": ("ChatTurn", "GenerationParams", "GenerationRequest", "RequestError", "ResolvedRequest"),
+    "engine.request": (
+        "ChatTurn",
+        "GenerationParams",
+        "GenerationRequest",
+        "RequestError",
+        "ResolvedRequest",
+    ),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -87,7 +87,11 @@ def device_problems(config: PipelineConfig) -> list[ConfigProblem]:
         missing = [d for d in wanted if d >= available]
         if missing:
             have = "no GPU" if available == 0 else f"{available} GPU(s) (0-{available - 1})"
-            hint = "devices: cpu (or auto)" if available == 0 else f"devices: '0' .. '{available - 1}', cpu or auto"
+            hint = (
+                "devices: cpu (or auto)"
+                if available == 0
+                else f"devices: '0' .. '{available - 1}', cpu or auto"
+            )
             problems.append(
                 ConfigProblem(
                     stage.stage_id,
@@ -115,7 +119,12 @@ def build_pipeline_config(
     elif isinstance(deploy, dict):
         deploy, problems = parse_deploy_config(deploy)
     config = resolve_pipeline_config(
-        deploy, source.family.name, source.family.templates, source.name, source.identity, source=label,
+        deploy,
+        source.family.name,
+        source.family.templates,
+        source.name,
+        source.identity,
+        source=label,
         prior_problems=problems,
     )
     if ar_backend:  # --ar-backend overrides every AR stage, `auto` included
@@ -263,7 +272,9 @@ class _StageWorker:
             started = time.time()
             self.engine._job_started(ticket, started)
 
-            def done(status: str, error: Exception | None, ticket: _Ticket = ticket, started: float = started) -> None:
+            def done(
+                status: str, error: Exception | None, ticket: _Ticket = ticket, started: float = started
+            ) -> None:
                 with self.cond:
                     batch_size = self.in_flight
                     self.in_flight -= 1
@@ -309,7 +320,11 @@ class OmniEngine:
     """A running multi-stage pipeline."""
 
     def __init__(
-        self, config: PipelineConfig, model: ModelSource, runners: dict[int, StageRunner], max_pending: int = 64
+        self,
+        config: PipelineConfig,
+        model: ModelSource,
+        runners: dict[int, StageRunner],
+        max_pending: int = 64,
     ) -> None:
         self.config = config
         self.model = model
@@ -340,7 +355,9 @@ class OmniEngine:
             if problems:
                 raise DeployConfigError(problems)
         if model.path is None:
-            raise EngineBuildError(f"model {model.name} has no files yet; call engine.models.materialize first")
+            raise EngineBuildError(
+                f"model {model.name} has no files yet; call engine.models.materialize first"
+            )
         runners: dict[int, StageRunner] = {}
         try:
             for stage in config.stages:
@@ -456,7 +473,11 @@ class OmniEngine:
     def _enqueue(self, handle: RequestHandle, variant: _Variant, stage: ResolvedStage) -> None:
         request = handle.resolved.request
         params = self._stage_params(handle, variant, stage)
-        inputs: dict[str, Any] = {"prompt": request.prompt, "messages": request.messages, "image": request.image}
+        inputs: dict[str, Any] = {
+            "prompt": request.prompt,
+            "messages": request.messages,
+            "image": request.image,
+        }
         if stage.input_sources:
             upstream: dict[str, Any] = {}
             for source in stage.input_sources:
@@ -479,8 +500,10 @@ class OmniEngine:
 
     def _job_started(self, ticket: _Ticket, started: float) -> None:
         stage, job = ticket.stage, ticket.job
-        total = int(job.params.get("max_tokens") or 0) if stage.kind == "ar" else int(
-            job.params.get("num_inference_steps") or 0
+        total = (
+            int(job.params.get("max_tokens") or 0)
+            if stage.kind == "ar"
+            else int(job.params.get("num_inference_steps") or 0)
         )
         job.scratch["queue_seconds"] = started - ticket.enqueued_at
         job.emit(StageStarted(job.request_id, job.index, stage.stage_id, kind=stage.kind, total=total))
@@ -514,14 +537,29 @@ class OmniEngine:
             if handle.terminal is not None:
                 return
             if status == "cancelled":
-                self._finish(handle, RunFailed(handle.request_id, variant.index, "the request was cancelled",
-                                               stage.stage_id, "cancelled", True))
+                self._finish(
+                    handle,
+                    RunFailed(
+                        handle.request_id,
+                        variant.index,
+                        "the request was cancelled",
+                        stage.stage_id,
+                        "cancelled",
+                        True,
+                    ),
+                )
                 return
             if status == "failed":
                 handle.cancel()  # stop the request's other variants
                 message = f"stage {stage.stage_id} ({stage.kind}) failed: {type(error).__name__}: {error}"
-                error_type = "invalid_request" if isinstance(error, ValueError) and hasattr(error, "field") else "engine_error"
-                self._finish(handle, RunFailed(handle.request_id, variant.index, message, stage.stage_id, error_type))
+                error_type = (
+                    "invalid_request"
+                    if isinstance(error, ValueError) and hasattr(error, "field")
+                    else "engine_error"
+                )
+                self._finish(
+                    handle, RunFailed(handle.request_id, variant.index, message, stage.stage_id, error_type)
+                )
                 return
             variant.outputs[stage.stage_id] = job.deliver_outputs()
             try:
@@ -588,8 +626,12 @@ class OmniEngine:
         with self._lock:
             for handle in handles:
                 if handle.terminal is None:
-                    self._finish(handle, RunFailed(handle.request_id, 0, "the engine was shut down", None,
-                                                   "engine_error", True))
+                    self._finish(
+                        handle,
+                        RunFailed(
+                            handle.request_id, 0, "the engine was shut down", None, "engine_error", True
+                        ),
+                    )
         for runner in self.runners.values():
             runner.close()
 

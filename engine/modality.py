@@ -36,7 +36,9 @@ class ModalityError(ValueError):
 
 def _valid_names_hint() -> str:
     return (
-        "valid names are " + ", ".join(VALID_MODALITY_NAMES) + "; combine them with '+' or ',' (e.g. 'text+image')"
+        "valid names are "
+        + ", ".join(VALID_MODALITY_NAMES)
+        + "; combine them with '+' or ',' (e.g. 'text+image')"
     )
 
 
@@ -50,7 +52,9 @@ def parse_output_modalities(value: str | None) -> tuple[OutputModality, ...]:
     if value is None:
         return (DEFAULT_MODALITY,)
     if not isinstance(value, str):
-        raise ModalityError(f"output modality must be a string, got {type(value).__name__}; {_valid_names_hint()}")
+        raise ModalityError(
+            f"output modality must be a string, got {type(value).__name__}; {_valid_names_hint()}"
+        )
     if value == "":
         raise ModalityError(f"output modality is empty; {_valid_names_hint()}")
     if any(ch.isspace() for ch in value):

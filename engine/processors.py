@@ -75,7 +75,15 @@ def split_target_grid(token_ids: torch.Tensor, layout: GridLayout) -> torch.Tens
     return token_ids[layout.preview_tokens : needed]
 
 
-DIFFUSION_PASS_THROUGH = ("prompt", "seed", "num_inference_steps", "guidance_scale", "negative_prompt", "height", "width")
+DIFFUSION_PASS_THROUGH = (
+    "prompt",
+    "seed",
+    "num_inference_steps",
+    "guidance_scale",
+    "negative_prompt",
+    "height",
+    "width",
+)
 
 
 def ar2diffusion(ar_outputs: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,7 +108,9 @@ def ar2diffusion(ar_outputs: Mapping[str, Any], params: Mapping[str, Any]) -> di
         grids = torch.as_tensor(ar_outputs["prior_image_grid_thw"]).reshape(-1, 3)
         sizes = grids.prod(dim=-1).tolist()
         pieces = torch.split(torch.as_tensor(prior_image).reshape(-1), sizes)
-        upsampled = [upsample_grid_ids(p, int(g[1]), int(g[2])) for p, g in zip(pieces, grids.tolist(), strict=True)]
+        upsampled = [
+            upsample_grid_ids(p, int(g[1]), int(g[2])) for p, g in zip(pieces, grids.tolist(), strict=True)
+        ]
         upsampled_grids = grids.clone()
         upsampled_grids[:, 1:] *= 2
         inputs["prior_token_image_ids"] = [torch.cat(upsampled)]

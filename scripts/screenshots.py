@@ -19,8 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.servers import running_server  # noqa: E402
 
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def main() -> None:
@@ -33,10 +41,15 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     with running_server(["ui", *extra], Path(tempfile.mkdtemp())) as server, sync_playwright() as p:
-        for seed, prompt in ((1, "a red circle on a blue background, top left"),
-                             (2, "a yellow square on a purple background, center")):
-            httpx.post(server.url + "/v1/chat/completions", timeout=120,
-                       json={"messages": [{"role": "user", "content": prompt}], "seed": seed})
+        for seed, prompt in (
+            (1, "a red circle on a blue background, top left"),
+            (2, "a yellow square on a purple background, center"),
+        ):
+            httpx.post(
+                server.url + "/v1/chat/completions",
+                timeout=120,
+                json={"messages": [{"role": "user", "content": prompt}], "seed": seed},
+            )
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(60_000)

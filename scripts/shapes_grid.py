@@ -51,10 +51,14 @@ def main() -> int:
     from studio.runtime import quiet_libraries
 
     quiet_libraries()
-    engine = build_engine(args.model, str(DEPLOY_PATH), data_dir=Path(tempfile.mkdtemp(prefix="shapes-grid-")))
+    engine = build_engine(
+        args.model, str(DEPLOY_PATH), data_dir=Path(tempfile.mkdtemp(prefix="shapes-grid-"))
+    )
     tile, caption_h, pad = 128, 44, 8
     rows = (len(PROMPTS) + args.columns - 1) // args.columns
-    sheet = Image.new("RGB", (args.columns * (tile + pad) + pad, rows * (tile + caption_h + pad) + pad), "white")
+    sheet = Image.new(
+        "RGB", (args.columns * (tile + pad) + pad, rows * (tile + caption_h + pad) + pad), "white"
+    )
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default()
     try:
@@ -66,7 +70,9 @@ def main() -> int:
             y = pad + (i // args.columns) * (tile + caption_h + pad)
             sheet.paste(image.convert("RGB"), (x, y))
             label = prompt.removeprefix("a ") + (" [held-out]" if scene.held_out else "")
-            draw.multiline_text((x, y + tile + 2), "\n".join(textwrap.wrap(label, 22)), fill="black", font=font)
+            draw.multiline_text(
+                (x, y + tile + 2), "\n".join(textwrap.wrap(label, 22)), fill="black", font=font
+            )
             if not ok:
                 draw.rectangle((x, y, x + tile - 1, y + tile - 1), outline="black", width=2)
             print(f"{'ok   ' if ok else 'WRONG'} {prompt}")

@@ -30,24 +30,55 @@ def _shared_options(defaults: bool = True) -> argparse.ArgumentParser:
         return value if defaults else argparse.SUPPRESS
 
     g = shared.add_argument_group("model and pipeline")
-    g.add_argument("--model", default=_d(None),
-                   help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {DEFAULT_MODEL}) or a local HF-format folder")
-    g.add_argument("--deploy-config", default=_d(None), metavar="YAML", help="deploy config (stage settings) to apply")
-    g.add_argument("--ar-backend", choices=AR_BACKENDS, default=_d(None),
-                   help="backend of every AR stage (default: each stage's `backend`, else auto)")
-    g.add_argument("--served-model-name", default=_d(None), help="model name the API answers to (default: the model's name)")
+    g.add_argument(
+        "--model",
+        default=_d(None),
+        help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {DEFAULT_MODEL}) or a local HF-format folder",
+    )
+    g.add_argument(
+        "--deploy-config", default=_d(None), metavar="YAML", help="deploy config (stage settings) to apply"
+    )
+    g.add_argument(
+        "--ar-backend",
+        choices=AR_BACKENDS,
+        default=_d(None),
+        help="backend of every AR stage (default: each stage's `backend`, else auto)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=_d(None),
+        help="model name the API answers to (default: the model's name)",
+    )
     s = shared.add_argument_group("serving")
     s.add_argument("--host", default=_d("127.0.0.1"))
     s.add_argument("--port", type=int, default=_d(7860))
-    s.add_argument("--share", action="store_true", default=_d(False), help="create a public Gradio share link (UI and API)")
+    s.add_argument(
+        "--share",
+        action="store_true",
+        default=_d(False),
+        help="create a public Gradio share link (UI and API)",
+    )
     s.add_argument("--auth", default=_d(None), metavar="USER:PASS", help="protect the UI with a login")
     s.add_argument("--api-key", default=_d(None), help="require `Authorization: Bearer KEY` on /v1/*")
-    s.add_argument("--fingerprint-mode", choices=FINGERPRINT_MODES, default=_d("full"),
-                   help="system_fingerprint in responses: full, hash, custom (needs --fingerprint-value) or none")
-    s.add_argument("--fingerprint-value", default=_d(None), help="the literal fingerprint for --fingerprint-mode custom")
+    s.add_argument(
+        "--fingerprint-mode",
+        choices=FINGERPRINT_MODES,
+        default=_d("full"),
+        help="system_fingerprint in responses: full, hash, custom (needs --fingerprint-value) or none",
+    )
+    s.add_argument(
+        "--fingerprint-value", default=_d(None), help="the literal fingerprint for --fingerprint-mode custom"
+    )
     d = shared.add_argument_group("storage")
-    d.add_argument("--db", default=_d(None), metavar="URL", help="SQLAlchemy URL of the run store (default: SQLite in the data dir)")
-    d.add_argument("--data-dir", default=_d(None), type=Path, help="where runs, outputs and built models live")
+    d.add_argument(
+        "--db",
+        default=_d(None),
+        metavar="URL",
+        help="SQLAlchemy URL of the run store (default: SQLite in the data dir)",
+    )
+    d.add_argument(
+        "--data-dir", default=_d(None), type=Path, help="where runs, outputs and built models live"
+    )
     return shared
 
 
@@ -67,8 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", parents=[shared], help="one run from the terminal, with progress bars")
     run.add_argument("prompt")
-    run.add_argument("--image", default=None, metavar="SRC", help="source image (a file or a data: URL) for image-to-image")
-    run.add_argument("--out", default=None, metavar="FILE", help="where to write the result (PNG for images, text for chat)")
+    run.add_argument(
+        "--image", default=None, metavar="SRC", help="source image (a file or a data: URL) for image-to-image"
+    )
+    run.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="where to write the result (PNG for images, text for chat)",
+    )
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--height", type=int, default=None)
     run.add_argument("--width", type=int, default=None)
@@ -82,8 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", parents=[shared], help="validate a deploy config")
     validate.add_argument("file", metavar="DEPLOY.yaml")
-    validate.add_argument("--check-devices", action="store_true",
-                          help="also check that the GPUs named in `devices` exist on this machine")
+    validate.add_argument(
+        "--check-devices",
+        action="store_true",
+        help="also check that the GPUs named in `devices` exist on this machine",
+    )
 
     history = sub.add_parser("history", parents=[shared], help="list, show, export and import recorded runs")
     hsub = history.add_subparsers(dest="history_command", metavar="ACTION", required=True)
@@ -95,9 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     show = hsub.add_parser("show", parents=[shared], help="one run in full")
     show.add_argument("run_id", metavar="ID")
     show.add_argument("--json", action="store_true")
-    export = hsub.add_parser("export", parents=[shared], help="write runs, config snapshots and output files to a bundle")
+    export = hsub.add_parser(
+        "export", parents=[shared], help="write runs, config snapshots and output files to a bundle"
+    )
     export.add_argument("file", metavar="FILE")
-    imp = hsub.add_parser("import", parents=[shared], help="import a bundle (runs already present are skipped)")
+    imp = hsub.add_parser(
+        "import", parents=[shared], help="import a bundle (runs already present are skipped)"
+    )
     imp.add_argument("file", metavar="FILE")
     return parser
 
@@ -217,11 +262,36 @@ def cmd_run(args: argparse.Namespace) -> int:
             recorder = RunRecorder(open_store(args.db, data_dir_from(args)))
         except StoreError as exc:
             raise StartupError(str(exc)) from exc
-        cli_request = {k: v for k, v in vars(args).items() if v is not None and k in (
-            "prompt", "image", "seed", "height", "width", "steps", "guidance", "negative_prompt", "max_tokens",
-            "temperature", "n", "model", "deploy_config", "ar_backend")}
-        tracker = recorder.start_run("cli", resolved, engine.config,
-                                     args.served_model_name or engine.config.model_name, None, cli_request)
+        cli_request = {
+            k: v
+            for k, v in vars(args).items()
+            if v is not None
+            and k
+            in (
+                "prompt",
+                "image",
+                "seed",
+                "height",
+                "width",
+                "steps",
+                "guidance",
+                "negative_prompt",
+                "max_tokens",
+                "temperature",
+                "n",
+                "model",
+                "deploy_config",
+                "ar_backend",
+            )
+        }
+        tracker = recorder.start_run(
+            "cli",
+            resolved,
+            engine.config,
+            args.served_model_name or engine.config.model_name,
+            None,
+            cli_request,
+        )
         names = {s.stage_id: s.kind for s in engine.config.stages}
         bars = StageProgressBars(names, show_text=not makes_images and not args.quiet)
         result: Any = None
@@ -244,8 +314,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         for line in written:
             print(line)
         print(f"seed {resolved.seed}", file=sys.stderr)
-        print(f"recorded as run {tracker.run_id[:12]} (omni-studio history show {tracker.run_id[:12]})",
-              file=sys.stderr)
+        print(
+            f"recorded as run {tracker.run_id[:12]} (omni-studio history show {tracker.run_id[:12]})",
+            file=sys.stderr,
+        )
         return 0
     finally:
         if recorder is not None:
@@ -296,7 +368,11 @@ def cmd_history(args: argparse.Namespace) -> int:
                 total = store.count_runs(selection)
             except ValueError as exc:  # an unknown --status
                 raise CLIError(str(exc)) from exc
-            print(json.dumps([r.to_dict() for r in runs], indent=2) if args.json else format_run_table(runs, total))
+            print(
+                json.dumps([r.to_dict() for r in runs], indent=2)
+                if args.json
+                else format_run_table(runs, total)
+            )
         elif action == "show":
             try:
                 run = store.get_run(store.resolve_run_id(args.run_id))
@@ -311,8 +387,10 @@ def cmd_history(args: argparse.Namespace) -> int:
                 result = store.import_bundle(Path(args.file))
             except BundleError as exc:
                 raise CLIError(str(exc)) from exc
-            print(f"imported {result.imported} run{'s' if result.imported != 1 else ''}, "
-                  f"skipped {result.skipped} already present")
+            print(
+                f"imported {result.imported} run{'s' if result.imported != 1 else ''}, "
+                f"skipped {result.skipped} already present"
+            )
         return 0
     finally:
         store.close()
@@ -335,7 +413,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
     # Gradio's import (seconds) overlaps torch/transformers/diffusers and the engine start on the main
     # thread: a large part of both is file I/O, which releases the GIL. It cuts the studio's cold start.
-    preload = threading.Thread(target=lambda: __import__("studio.ui.app"), daemon=True, name="omni-preload-ui")
+    preload = threading.Thread(
+        target=lambda: __import__("studio.ui.app"), daemon=True, name="omni-preload-ui"
+    )
     preload.start()
     engine = _preload_engine(args)
     preload.join()

@@ -121,7 +121,10 @@ class Studio:
         path = DEPLOY_PRESETS_DIR / filename
         text = path.read_text()
         if family != self.model.family.name:
-            text = f"# note: this preset is for {family} models; the running model is {self.model.family.name}\n" + text
+            text = (
+                f"# note: this preset is for {family} models; the running model is {self.model.family.name}\n"
+                + text
+            )
         return text
 
     def validate_text(self, text: str, check_devices: bool = True) -> ValidationReport:
@@ -225,22 +228,27 @@ class Studio:
         model = self.serving.served_model_name
         key = self.api_key or "unused"
         family = self.config.family
-        extra = '"height": 64, "width": 64, "num_inference_steps": 4' if family != "chat" else '"max_tokens": 32'
+        extra = (
+            '"height": 64, "width": 64, "num_inference_steps": 4' if family != "chat" else '"max_tokens": 32'
+        )
         curl = (
             f"curl {url}/chat/completions \\\n"
             f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
-            f"  -d '{{\"model\": \"{model}\", \"seed\": 42,\n"
-            f"       \"messages\": [{{\"role\": \"user\", \"content\": \"a red circle on a blue background\"}}],\n"
+            f'  -d \'{{"model": "{model}", "seed": 42,\n'
+            f'       "messages": [{{"role": "user", "content": "a red circle on a blue background"}}],\n'
             f"       {extra}}}'"
         )
-        python_extra = ("extra_body={\"height\": 64, \"width\": 64, \"num_inference_steps\": 4}"
-                        if family != "chat" else "max_tokens=32")
+        python_extra = (
+            'extra_body={"height": 64, "width": 64, "num_inference_steps": 4}'
+            if family != "chat"
+            else "max_tokens=32"
+        )
         python = (
             "from openai import OpenAI\n\n"
-            f"client = OpenAI(base_url=\"{url}\", api_key=\"{key}\")\n"
+            f'client = OpenAI(base_url="{url}", api_key="{key}")\n'
             "response = client.chat.completions.create(\n"
-            f"    model=\"{model}\",\n"
-            "    messages=[{\"role\": \"user\", \"content\": \"a red circle on a blue background\"}],\n"
+            f'    model="{model}",\n'
+            '    messages=[{"role": "user", "content": "a red circle on a blue background"}],\n'
             f"    seed=42,\n    {python_extra},\n)\n"
             "print(response.choices[0].message.content)\n"
         )
@@ -251,13 +259,20 @@ class Studio:
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
         return self.engine.resolve(request)
 
-    async def run(self, resolved: ResolvedRequest, payload: dict[str, Any]) -> AsyncIterator[tuple[str, EngineEvent]]:
+    async def run(
+        self, resolved: ResolvedRequest, payload: dict[str, Any]
+    ) -> AsyncIterator[tuple[str, EngineEvent]]:
         """Run a UI request through the engine, recording it; yields (run id, event)."""
         engine = self.engine
         tracker = None
         if self.recorder is not None:
             tracker = self.recorder.start_run(
-                "ui", resolved, engine.config, self.serving.served_model_name, self.system_fingerprint, payload
+                "ui",
+                resolved,
+                engine.config,
+                self.serving.served_model_name,
+                self.system_fingerprint,
+                payload,
             )
         finished = False
         agen = engine.generate(resolved)
@@ -281,8 +296,21 @@ class Studio:
 
         detail = self.store.get_run(run_id)
         params = dict(detail.parameters)
-        fields = {k: params.get(k) for k in ("seed", "height", "width", "num_inference_steps", "guidance_scale",
-                                             "negative_prompt", "temperature", "top_p", "top_k", "n")}
+        fields = {
+            k: params.get(k)
+            for k in (
+                "seed",
+                "height",
+                "width",
+                "num_inference_steps",
+                "guidance_scale",
+                "negative_prompt",
+                "temperature",
+                "top_p",
+                "top_k",
+                "n",
+            )
+        }
         if self.config.family == "chat":
             fields["max_tokens"] = params.get("max_tokens")
         image = None
@@ -294,12 +322,14 @@ class Studio:
         messages = (detail.request or {}).get("messages")
         if isinstance(messages, list) and len(messages) > 1:
             history = tuple(
-                ChatTurn(m.get("role", "user"), m["content"]) for m in messages[:-1]
+                ChatTurn(m.get("role", "user"), m["content"])
+                for m in messages[:-1]
                 if isinstance(m, dict) and isinstance(m.get("content"), str)
             )
         modalities = tuple(OutputModality(m) for m in params.get("modalities") or []) or None
-        request = GenerationRequest(detail.prompt, params_from_fields(fields), image=image, history=history,
-                                    modalities=modalities)
+        request = GenerationRequest(
+            detail.prompt, params_from_fields(fields), image=image, history=history, modalities=modalities
+        )
         return request, detail
 
     def cancel(self, run_id: str | None) -> bool:

@@ -13,7 +13,9 @@ from engine.events import DiffusionStep, EngineEvent, StageFinished, StageStarte
 class StageProgressBars:
     """Feed it a run's events; it draws and closes a tqdm bar per stage and variant."""
 
-    def __init__(self, stage_names: dict[int, str], stream: TextIO | None = None, show_text: bool = False) -> None:
+    def __init__(
+        self, stage_names: dict[int, str], stream: TextIO | None = None, show_text: bool = False
+    ) -> None:
         self.stage_names = stage_names
         self.stream = stream or sys.stderr
         self.show_text = show_text
@@ -26,8 +28,14 @@ class StageProgressBars:
             label = f"stage {event.stage_id} {self.stage_names.get(event.stage_id, event.kind)}"
             if event.index:
                 label += f" #{event.index}"
-            self.bars[key] = tqdm(total=event.total or None, desc=label, unit=unit, file=self.stream, leave=True,
-                                  dynamic_ncols=True)
+            self.bars[key] = tqdm(
+                total=event.total or None,
+                desc=label,
+                unit=unit,
+                file=self.stream,
+                leave=True,
+                dynamic_ncols=True,
+            )
         elif isinstance(event, (TokenProgress, DiffusionStep)) and key in self.bars:
             bar = self.bars[key]
             bar.update(max(0, event.step - bar.n))

@@ -66,14 +66,18 @@ def _engine(model: str, data_dir: Path, deploy=None):
 
 @pytest.fixture(scope="session")
 def glm_engine(session_data_dir) -> Iterator:
-    engine = _engine("tiny-glm-image", session_data_dir, tiny_deploy("tiny-glm-image", stage0={"backend": "transformers"}))
+    engine = _engine(
+        "tiny-glm-image", session_data_dir, tiny_deploy("tiny-glm-image", stage0={"backend": "transformers"})
+    )
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="session")
 def chat_engine(session_data_dir) -> Iterator:
-    engine = _engine("tiny-chat", session_data_dir, tiny_deploy("tiny-chat", stage0={"backend": "transformers"}))
+    engine = _engine(
+        "tiny-chat", session_data_dir, tiny_deploy("tiny-chat", stage0={"backend": "transformers"})
+    )
     yield engine
     engine.close()
 

@@ -120,12 +120,25 @@ def image(color: tuple[int, int, int], size: int = 32) -> Image.Image:
     return Image.new("RGB", (size, size), color)
 
 
-def resolved_request(prompt: str = "a red fox", seed: int = 7, n: int = 1, steps: int = 4,
-                     source_image: Image.Image | None = None) -> ResolvedRequest:
-    request = GenerationRequest(prompt, GenerationParams(seed=seed, n=n, num_inference_steps=steps),
-                                image=source_image)
-    parameters = {"seed": seed, "n": n, "num_inference_steps": steps, "height": 32, "width": 32,
-                  "modalities": ["image"], "source_image": source_image is not None}
+def resolved_request(
+    prompt: str = "a red fox",
+    seed: int = 7,
+    n: int = 1,
+    steps: int = 4,
+    source_image: Image.Image | None = None,
+) -> ResolvedRequest:
+    request = GenerationRequest(
+        prompt, GenerationParams(seed=seed, n=n, num_inference_steps=steps), image=source_image
+    )
+    parameters = {
+        "seed": seed,
+        "n": n,
+        "num_inference_steps": steps,
+        "height": 32,
+        "width": 32,
+        "modalities": ["image"],
+        "source_image": source_image is not None,
+    }
     stage_params = {0: {"seed": seed}, 1: {"seed": seed, "num_inference_steps": steps}}
     return ResolvedRequest(request, seed, parameters, stage_params, ())
 
@@ -138,39 +151,84 @@ def success_events(resolved: ResolvedRequest, images: list[Image.Image] | None =
     for index in range(resolved.n):
         events += [
             StageStarted(rid, index, 0, kind="ar", total=16),
-            StageFinished(rid, index, 0, kind="ar", started_at=now, finished_at=now + 0.2, queue_seconds=0.01,
-                          input_tokens=5, output_tokens=16),
+            StageFinished(
+                rid,
+                index,
+                0,
+                kind="ar",
+                started_at=now,
+                finished_at=now + 0.2,
+                queue_seconds=0.01,
+                input_tokens=5,
+                output_tokens=16,
+            ),
             StageStarted(rid, index, 1, kind="diffusion", total=4),
-            StageFinished(rid, index, 1, kind="diffusion", started_at=now + 0.2, finished_at=now + 0.5,
-                          queue_seconds=0.02),
+            StageFinished(
+                rid,
+                index,
+                1,
+                kind="diffusion",
+                started_at=now + 0.2,
+                finished_at=now + 0.5,
+                queue_seconds=0.02,
+            ),
         ]
         picture = images[index] if images else image((200, 30 + index, 40))
-        outputs.append(RunOutput(index=index, seed=resolved.seed + index, images=(picture,),
-                                 input_tokens=5, output_tokens=16))
+        outputs.append(
+            RunOutput(
+                index=index, seed=resolved.seed + index, images=(picture,), input_tokens=5, output_tokens=16
+            )
+        )
     events.append(RunFinished(rid, 0, tuple(outputs)))
     return events
 
 
-def failure_events(resolved: ResolvedRequest, message: str = "stage 1 (diffusion) failed: boom",
-                   cancelled: bool = False) -> list:
+def failure_events(
+    resolved: ResolvedRequest, message: str = "stage 1 (diffusion) failed: boom", cancelled: bool = False
+) -> list:
     rid, now = resolved.request_id, time.time()
     return [
         StageStarted(rid, 0, 0, kind="ar", total=16),
         StageFinished(rid, 0, 0, kind="ar", started_at=now, finished_at=now + 0.1, output_tokens=16),
         StageStarted(rid, 0, 1, kind="diffusion", total=4),
-        StageFinished(rid, 0, 1, kind="diffusion", status="cancelled" if cancelled else "failed",
-                      started_at=now + 0.1, finished_at=now + 0.2),
-        RunFailed(rid, 0, message, stage_id=1, error_type="cancelled" if cancelled else "engine_error",
-                  cancelled=cancelled),
+        StageFinished(
+            rid,
+            0,
+            1,
+            kind="diffusion",
+            status="cancelled" if cancelled else "failed",
+            started_at=now + 0.1,
+            finished_at=now + 0.2,
+        ),
+        RunFailed(
+            rid,
+            0,
+            message,
+            stage_id=1,
+            error_type="cancelled" if cancelled else "engine_error",
+            cancelled=cancelled,
+        ),
     ]
 
 
-def record(recorder: RunRecorder, config: PipelineConfig, events: list, resolved: ResolvedRequest,
-           source: str = "api", fingerprint: str | None = "omni-studio-0.1.0-abcdef12",
-           model: str = "tiny-glm-image") -> str:
+def record(
+    recorder: RunRecorder,
+    config: PipelineConfig,
+    events: list,
+    resolved: ResolvedRequest,
+    source: str = "api",
+    fingerprint: str | None = "omni-studio-0.1.0-abcdef12",
+    model: str = "tiny-glm-image",
+) -> str:
     """Record one request's events through the recorder, as an entry point would."""
-    tracker = recorder.start_run(source, resolved, config, model, fingerprint,
-                                 {"model": model, "prompt": resolved.request.prompt, "seed": resolved.seed})
+    tracker = recorder.start_run(
+        source,
+        resolved,
+        config,
+        model,
+        fingerprint,
+        {"model": model, "prompt": resolved.request.prompt, "seed": resolved.seed},
+    )
     for event in events:
         tracker.observe(event)
     return tracker.run_id

@@ -49,13 +49,25 @@ class LiveServer:
                 self.process.wait(timeout=10)
 
 
-def start_server(args: list[str], data_dir: Path, ready_path: str = "/health", timeout: float = 120) -> LiveServer:
+def start_server(
+    args: list[str], data_dir: Path, ready_path: str = "/health", timeout: float = 120
+) -> LiveServer:
     """Run ``omni-studio ARGS --host 127.0.0.1 --port P --data-dir D`` and wait until it answers."""
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "studio.cli", *args, "--host", "127.0.0.1", "--port", str(port),
-               "--data-dir", str(data_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "studio.cli",
+        *args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+    ]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     server = LiveServer(process, port, log_path, data_dir)

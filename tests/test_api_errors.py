@@ -16,9 +16,12 @@ from studio.api.inputs import InputLimits
 
 @pytest.fixture()
 def state(glm_engine):
-    return ServingState(glm_engine, ServingOptions(limits=InputLimits(max_body_bytes=200_000,
-                                                                     max_image_bytes=100_000,
-                                                                     max_image_pixels=512 * 512)))
+    return ServingState(
+        glm_engine,
+        ServingOptions(
+            limits=InputLimits(max_body_bytes=200_000, max_image_bytes=100_000, max_image_pixels=512 * 512)
+        ),
+    )
 
 
 @pytest.fixture()
@@ -59,7 +62,11 @@ def still_serving(client):
         (chat("x", size="big"), "size", "WIDTHxHEIGHT"),
         (chat("x", logprobs=True), "logprobs", "Unsupported field 'logprobs'"),
         (chat("x", extra_body={"steps": 3}), "extra_body.steps", "Unsupported field"),
-        (chat("x", modalities=["images"]), "modalities", "valid names are text, image, audio, latent, token_ids"),
+        (
+            chat("x", modalities=["images"]),
+            "modalities",
+            "valid names are text, image, audio, latent, token_ids",
+        ),
         (chat("x", height=64, extra_body={"height": 96}), None, "both at the top level and under extra_body"),
         ({"messages": []}, "messages", "at least 1"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "Input should be"),
@@ -75,34 +82,58 @@ def test_bad_fields_are_400_naming_the_field(client, body, param, fragment):
 
 
 def test_bad_messages_and_images(client):
-    assert_error(client.post("/v1/chat/completions",
-                             json={"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}),
-                 400, "messages", "last message must come from the user")
-    remote = chat([{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}])
+    assert_error(
+        client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+        ),
+        400,
+        "messages",
+        "last message must come from the user",
+    )
+    remote = chat(
+        [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]
+    )
     assert_error(client.post("/v1/chat/completions", json=remote), 400, None, "only data: URLs")
     garbage = chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}])
     assert_error(client.post("/v1/chat/completions", json=garbage), 400, None, "invalid base64")
-    not_image = chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64," +
-                                                          base64.b64encode(b"hello").decode()}}])
+    not_image = chat(
+        [
+            {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"hello").decode()},
+            }
+        ]
+    )
     assert_error(client.post("/v1/chat/completions", json=not_image), 422, None, "not a decodable image")
     two = chat([{"type": "image_url", "image_url": {"url": png_url()}}] * 2)
     assert_error(client.post("/v1/chat/completions", json=two), 400, "messages", "at most one image")
-    assert_error(client.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}),
-                 400, None, "not valid JSON")
+    assert_error(
+        client.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}),
+        400,
+        None,
+        "not valid JSON",
+    )
     still_serving(client)
 
 
 def test_too_large_is_413(client):
     big_body = chat("x" * 300_000)
     assert_error(client.post("/v1/chat/completions", json=big_body), 413, None, "limit is 200000")
-    huge_pixels = chat([{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": png_url((1024, 1024))}}])
+    huge_pixels = chat(
+        [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": png_url((1024, 1024))}}]
+    )
     assert_error(client.post("/v1/chat/completions", json=huge_pixels), 413, None, "pixels")
     still_serving(client)
 
 
 def test_unknown_model_and_file_are_404(client):
-    assert_error(client.post("/v1/chat/completions", json={**chat("x"), "model": "nope"}), 404, "model",
-                 "does not exist")
+    assert_error(
+        client.post("/v1/chat/completions", json={**chat("x"), "model": "nope"}),
+        404,
+        "model",
+        "does not exist",
+    )
     assert_error(client.get("/v1/outputs/" + "0" * 64 + ".png"), 404, "name", "No output file")
     assert client.get("/v1/nothing-here").status_code == 404
     still_serving(client)
@@ -112,7 +143,9 @@ def test_api_key_protects_v1_only(glm_engine):
     state = ServingState(glm_engine, ServingOptions(api_key="k1"))
     client = TestClient(create_app(state))
     assert_error(client.get("/v1/models"), 401, None, "Missing API key")
-    assert_error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, None, "Incorrect API key")
+    assert_error(
+        client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401, None, "Incorrect API key"
+    )
     assert client.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
     assert client.get("/health").status_code == 200
     state.set_api_key(None)
@@ -134,11 +167,16 @@ def test_engine_failure_is_500_and_the_server_recovers(client, glm_engine, monke
 
     original = runner.run
     monkeypatch.setattr(runner, "run", broken)
-    error = assert_error(client.post("/v1/chat/completions", json=chat("x")), 500, None, "DiT weights on fire")
+    error = assert_error(
+        client.post("/v1/chat/completions", json=chat("x")), 500, None, "DiT weights on fire"
+    )
     assert error["type"] == "server_error"
     streamed = client.post("/v1/chat/completions", json=chat("x", stream=True))
-    assert streamed.status_code == 200 and "DiT weights on fire" in streamed.text and streamed.text.endswith(
-        "data: [DONE]\n\n")
+    assert (
+        streamed.status_code == 200
+        and "DiT weights on fire" in streamed.text
+        and streamed.text.endswith("data: [DONE]\n\n")
+    )
     monkeypatch.setattr(runner, "run", original)
     still_serving(client)
 

@@ -25,8 +25,12 @@ def engine(request):
 
 def expected_fingerprint(mode: str, value: str | None, engine) -> str | None:
     hash8 = engine.config.hash8
-    return {"full": f"omni-studio-0.1.0-{hash8}", "hash": f"omni-studio-0.1.0-{hash8}", "custom": value,
-            "none": None}[mode]
+    return {
+        "full": f"omni-studio-0.1.0-{hash8}",
+        "hash": f"omni-studio-0.1.0-{hash8}",
+        "custom": value,
+        "none": None,
+    }[mode]
 
 
 def chat_payload(engine, stream: bool, include_usage: bool | None = None) -> dict:
@@ -39,7 +43,7 @@ def chat_payload(engine, stream: bool, include_usage: bool | None = None) -> dic
 
 
 def sse_chunks(text: str) -> list[dict]:
-    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -93,20 +97,28 @@ def test_full_mode_names_tensor_and_pipeline_parallelism(glm_engine):
     from dataclasses import replace
 
     config = glm_engine.config
-    stages = tuple(replace(s, engine_args={**s.engine_args, "tensor_parallel_size": 2, "pipeline_parallel_size": 3})
-                   for s in config.stages)
+    stages = tuple(
+        replace(s, engine_args={**s.engine_args, "tensor_parallel_size": 2, "pipeline_parallel_size": 3})
+        for s in config.stages
+    )
     parallel = replace(config, stages=stages)
-    assert system_fingerprint(FingerprintSettings("full"), parallel) == f"omni-studio-0.1.0-tp2-pp3-{parallel.hash8}"
+    assert (
+        system_fingerprint(FingerprintSettings("full"), parallel)
+        == f"omni-studio-0.1.0-tp2-pp3-{parallel.hash8}"
+    )
     assert system_fingerprint(FingerprintSettings("hash"), parallel) == f"omni-studio-0.1.0-{parallel.hash8}"
 
 
-@pytest.mark.parametrize("mode, value, fragment", [
-    ("custom", None, "needs --fingerprint-value"),
-    ("custom", "", "needs --fingerprint-value"),
-    ("full", "x", "only used with --fingerprint-mode custom"),
-    ("none", "x", "only used with --fingerprint-mode custom"),
-    ("weird", None, "must be one of full, hash, custom, none"),
-])
+@pytest.mark.parametrize(
+    "mode, value, fragment",
+    [
+        ("custom", None, "needs --fingerprint-value"),
+        ("custom", "", "needs --fingerprint-value"),
+        ("full", "x", "only used with --fingerprint-mode custom"),
+        ("none", "x", "only used with --fingerprint-mode custom"),
+        ("weird", None, "must be one of full, hash, custom, none"),
+    ],
+)
 def test_bad_mode_value_combinations_are_refused(mode, value, fragment):
     with pytest.raises(FingerprintError, match=fragment):
         FingerprintSettings(mode, value)
@@ -130,8 +142,10 @@ def test_rebuild_applies_a_new_mode_to_the_next_response(glm_engine):
     second = client.post("/v1/chat/completions", json=chat_payload(glm_engine, stream=False)).json()
     assert second["system_fingerprint"] == "after-rebuild"
     state.set_fingerprint("none")
-    assert "system_fingerprint" not in client.post("/v1/chat/completions",
-                                                   json=chat_payload(glm_engine, stream=False)).json()
+    assert (
+        "system_fingerprint"
+        not in client.post("/v1/chat/completions", json=chat_payload(glm_engine, stream=False)).json()
+    )
     with pytest.raises(FingerprintError):
         state.set_fingerprint("custom", None)
     assert state.handlers.system_fingerprint is None  # a refused change leaves the serving state as it was
@@ -144,8 +158,11 @@ def _unwired(monkeypatch):
     """Reproduce the seed bug: the configured mode never reaches the handlers (they keep the default)."""
     import studio.api.app as app_module
 
-    monkeypatch.setattr(app_module, "system_fingerprint",
-                        lambda settings, config: system_fingerprint(FingerprintSettings(), config))
+    monkeypatch.setattr(
+        app_module,
+        "system_fingerprint",
+        lambda settings, config: system_fingerprint(FingerprintSettings(), config),
+    )
 
 
 @pytest.mark.parametrize("mode, value", [("none", None), ("custom", "omni-fp-custom")])
@@ -162,8 +179,10 @@ def test_negative_control_unwired_mode_is_caught(engine, mode, value, monkeypatc
 
 
 def test_negative_control_two_carriers_are_caught(glm_engine):
-    chunks = [{"choices": [{"finish_reason": "stop"}], "system_fingerprint": "x"},
-              {"choices": [], "usage": {}, "system_fingerprint": "x"}]
+    chunks = [
+        {"choices": [{"finish_reason": "stop"}], "system_fingerprint": "x"},
+        {"choices": [], "usage": {}, "system_fingerprint": "x"},
+    ]
     with pytest.raises(AssertionError, match="2 chunks carry"):
         check_stream(chunks, "x", True)
     with pytest.raises(AssertionError):

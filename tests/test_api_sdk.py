@@ -72,18 +72,30 @@ def test_chat_completion_stream_ends_with_the_image(client):
     chunks = list(stream)
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and finish[0].choices[0].finish_reason == "stop"
-    progress = [c.model_extra.get("progress") for c in chunks if c.model_extra and c.model_extra.get("progress")]
+    progress = [
+        c.model_extra.get("progress") for c in chunks if c.model_extra and c.model_extra.get("progress")
+    ]
     assert {p["stage"] for p in progress} == {0, 1}
     assert progress[-1]["step"] == progress[-1]["total"] == 4
-    image_parts = [part for c in chunks if c.choices and isinstance(c.choices[0].delta.content, list)
-                   for part in c.choices[0].delta.content]
+    image_parts = [
+        part
+        for c in chunks
+        if c.choices and isinstance(c.choices[0].delta.content, list)
+        for part in c.choices[0].delta.content
+    ]
     assert len(image_parts) == 1
     assert Image.open(io.BytesIO(decode_data_url(image_parts[0]["image_url"]["url"]))).size == (64, 64)
 
 
 def test_images_generate_b64_json(client):
-    result = client.images.generate(model="tiny-glm-image", prompt="a blue square", size="64x64", n=2,
-                                    response_format="b64_json", extra_body={"seed": 5})
+    result = client.images.generate(
+        model="tiny-glm-image",
+        prompt="a blue square",
+        size="64x64",
+        n=2,
+        response_format="b64_json",
+        extra_body={"seed": 5},
+    )
     assert len(result.data) == 2
     first, second = (base64.b64decode(d.b64_json) for d in result.data)
     assert Image.open(io.BytesIO(first)).size == (64, 64)
@@ -91,8 +103,9 @@ def test_images_generate_b64_json(client):
 
 
 def test_images_generate_url_serves_the_file(client, glm_server):
-    result = client.images.generate(model="tiny-glm-image", prompt="a cat", size="64x64", response_format="url",
-                                    extra_body={"seed": 9})
+    result = client.images.generate(
+        model="tiny-glm-image", prompt="a cat", size="64x64", response_format="url", extra_body={"seed": 9}
+    )
     url = result.data[0].url
     assert url.startswith(glm_server.url + "/v1/outputs/") and url.endswith(".png")
     fetched = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"})
@@ -104,8 +117,12 @@ def test_images_edit_with_an_uploaded_file(client):
     source = io.BytesIO()
     Image.new("RGB", (64, 64), (30, 200, 90)).save(source, format="PNG")
     source.seek(0)
-    result = client.images.edit(model="tiny-glm-image", image=("source.png", source, "image/png"),
-                                prompt="make it red", response_format="b64_json")
+    result = client.images.edit(
+        model="tiny-glm-image",
+        image=("source.png", source, "image/png"),
+        prompt="make it red",
+        response_format="b64_json",
+    )
     assert Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json))).size == (64, 64)
 
 
@@ -114,12 +131,14 @@ def test_typed_errors(client, glm_server):
         client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
     assert "does not exist" in missing.value.message
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model="tiny-glm-image", messages=[{"role": "user", "content": "hi"}],
-                                       extra_body={"height": 50})
+        client.chat.completions.create(
+            model="tiny-glm-image", messages=[{"role": "user", "content": "hi"}], extra_body={"height": 50}
+        )
     assert bad.value.body["param"] == "height" and "multiple of 32" in bad.value.message
     with pytest.raises(openai.BadRequestError) as unsupported:
-        client.chat.completions.create(model="tiny-glm-image", messages=[{"role": "user", "content": "hi"}],
-                                       presence_penalty=0.5)
+        client.chat.completions.create(
+            model="tiny-glm-image", messages=[{"role": "user", "content": "hi"}], presence_penalty=0.5
+        )
     assert unsupported.value.body["param"] == "presence_penalty"
     assert "Unsupported field 'presence_penalty'" in unsupported.value.message
     wrong_key = openai.OpenAI(base_url=glm_server.url + "/v1", api_key="nope", max_retries=0)
@@ -132,7 +151,9 @@ def test_typed_errors(client, glm_server):
 def seed_client_payload(content) -> dict:
     """The JSON shape of the GLM-Image regression client (shared/seeds/004): a literal extra_body key."""
     return {
-        "model": "tiny-glm-image", "stream": False, "seed": 42,
+        "model": "tiny-glm-image",
+        "stream": False,
+        "seed": 42,
         "messages": [{"role": "user", "content": content}],
         "extra_body": {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.5},
     }
@@ -147,14 +168,19 @@ def test_seed_glm_image_client_t2i_then_i2i(glm_server):
     cases = {
         "t2i": "A Vincent van Gogh style impressionist painting.",
         "i2i": [
-            {"type": "text", "text": "Transform this modern, geometric image into a Vincent van Gogh style painting."},
+            {
+                "type": "text",
+                "text": "Transform this modern, geometric image into a Vincent van Gogh style painting.",
+            },
             {"type": "image_url", "image_url": {"url": image_url}},
         ],
     }
     for case, content in cases.items():
         pngs = []
         for _ in range(2):
-            response = session.post(glm_server.url + "/v1/chat/completions", json=seed_client_payload(content))
+            response = session.post(
+                glm_server.url + "/v1/chat/completions", json=seed_client_payload(content)
+            )
             assert response.status_code == 200, response.text[:3000]
             parts = response.json()["choices"][0]["message"]["content"]
             assert isinstance(parts, list)
@@ -172,8 +198,12 @@ def test_chat_model_streams_text_token_by_token(chat_server):
     client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["chatty"]  # --served-model-name
     stream = client.chat.completions.create(
-        model="chatty", messages=[{"role": "user", "content": "tell me about the river"}], stream=True,
-        max_tokens=16, seed=1, stream_options={"include_usage": True},
+        model="chatty",
+        messages=[{"role": "user", "content": "tell me about the river"}],
+        stream=True,
+        max_tokens=16,
+        seed=1,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
@@ -181,6 +211,9 @@ def test_chat_model_streams_text_token_by_token(chat_server):
     usage = [c for c in chunks if c.usage]
     assert usage and usage[-1].usage.completion_tokens <= 16
     full = client.chat.completions.create(
-        model="chatty", messages=[{"role": "user", "content": "tell me about the river"}], max_tokens=16, seed=1
+        model="chatty",
+        messages=[{"role": "user", "content": "tell me about the river"}],
+        max_tokens=16,
+        seed=1,
     )
     assert full.choices[0].message.content == "".join(pieces)  # same seed, same words, streamed or not

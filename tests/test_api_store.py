@@ -37,8 +37,9 @@ def test_concurrent_requests_and_failures_are_all_recorded(db_url, tmp_path):
         statuses: list[int] = []
 
         def one(seed: int) -> None:
-            response = httpx.post(server.url + "/v1/chat/completions", timeout=120,
-                                  json=chat(f"concurrent {seed}", seed=seed))
+            response = httpx.post(
+                server.url + "/v1/chat/completions", timeout=120, json=chat(f"concurrent {seed}", seed=seed)
+            )
             statuses.append(response.status_code)
 
         threads = [threading.Thread(target=one, args=(seed,)) for seed in range(8)]
@@ -49,8 +50,9 @@ def test_concurrent_requests_and_failures_are_all_recorded(db_url, tmp_path):
         assert statuses == [200] * 8
         bad = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat("bad size", height=50))
         assert bad.status_code == 400
-        unknown = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                             json={**chat("who"), "model": "nope"})
+        unknown = httpx.post(
+            server.url + "/v1/chat/completions", timeout=60, json={**chat("who"), "model": "nope"}
+        )
         assert unknown.status_code == 404
         fingerprint = httpx.get(server.url + "/v1/models").json()["data"][0]["config_hash"][:8]
     finally:
@@ -79,17 +81,24 @@ def test_client_disconnect_is_recorded_as_cancelled(tmp_path):
     server = start_server(["serve"], tmp_path / "data")
     try:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(server.url + "/v1/chat/completions", timeout=2.0,
-                       json=chat("walk away", seed=1, height=512, width=512, num_inference_steps=200))
+            httpx.post(
+                server.url + "/v1/chat/completions",
+                timeout=2.0,
+                json=chat("walk away", seed=1, height=512, width=512, num_inference_steps=200),
+            )
         store = open_store(None, tmp_path / "data")
         try:
-            run = wait_for(lambda: next(iter(store.list_runs(RunFilter(search="walk away", status="cancelled"))),
-                                        None), timeout=60)
+            run = wait_for(
+                lambda: next(iter(store.list_runs(RunFilter(search="walk away", status="cancelled"))), None),
+                timeout=60,
+            )
             assert "disconnected" in store.get_run(run.id).error
         finally:
             store.close()
         # the engine let go of it: a new request runs at once
-        assert httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat("next")).status_code == 200
+        assert (
+            httpx.post(server.url + "/v1/chat/completions", timeout=60, json=chat("next")).status_code == 200
+        )
     finally:
         server.stop()
 
@@ -98,15 +107,21 @@ def test_kill_9_mid_run_then_restart_marks_the_run_interrupted(db_url, tmp_path)
     data = tmp_path / "data"
     server = start_server(["serve", "--db", db_url], data)
     try:
+
         def doomed() -> None:
             with contextlib.suppress(httpx.HTTPError):  # the server dies under this request
-                httpx.post(server.url + "/v1/chat/completions", timeout=120,
-                           json=chat("killed mid-run", height=512, width=512, num_inference_steps=300))
+                httpx.post(
+                    server.url + "/v1/chat/completions",
+                    timeout=120,
+                    json=chat("killed mid-run", height=512, width=512, num_inference_steps=300),
+                )
 
         threading.Thread(target=doomed, daemon=True).start()
         store = open_store(db_url, data)
         try:
-            wait_for(lambda: store.list_runs(RunFilter(search="killed mid-run", status="running")), timeout=60)
+            wait_for(
+                lambda: store.list_runs(RunFilter(search="killed mid-run", status="running")), timeout=60
+            )
         finally:
             store.close()
         server.stop(signal.SIGKILL)

@@ -39,6 +39,7 @@ from engine.stages.base import StageJob  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
+
 # Token-level parity between two engines on a random model needs one torch thread on both sides: an
 # in-process vLLM engine serves with one (see engine.stages.ar_vllm._HostThreads), and reductions
 # over a different thread count may round differently and flip a near-tie in the random logits.
@@ -78,7 +79,9 @@ def glm_vllm(model_cache: Path, data_dir: Path) -> OmniEngine:
 
 @pytest.fixture(scope="module")
 def glm_transformers(model_cache: Path, data_dir: Path) -> OmniEngine:
-    engine = build_engine("tiny-glm-image", glm_token_output_deploy(), data_dir=data_dir, ar_backend="transformers")
+    engine = build_engine(
+        "tiny-glm-image", glm_token_output_deploy(), data_dir=data_dir, ar_backend="transformers"
+    )
     yield engine
     engine.close()
 
@@ -132,7 +135,9 @@ def png_digest(image: Image.Image) -> str:
 
 def source_image() -> Image.Image:
     gradient = torch.linspace(0, 255, 64).to(torch.uint8)
-    pixels = torch.stack([gradient.expand(64, 64), gradient.expand(64, 64).T, torch.full((64, 64), 90, dtype=torch.uint8)], -1)
+    pixels = torch.stack(
+        [gradient.expand(64, 64), gradient.expand(64, 64).T, torch.full((64, 64), 90, dtype=torch.uint8)], -1
+    )
     return Image.fromarray(pixels.numpy(), "RGB")
 
 
@@ -168,7 +173,9 @@ def test_glm_image_i2i_matches_transformers(glm_vllm: OmniEngine, glm_transforme
     assert png_digest(ours.images[0]) == png_digest(reference.images[0])
 
 
-def test_glm_image_concurrent_requests_match_one_by_one(glm_vllm: OmniEngine, glm_transformers: OmniEngine) -> None:
+def test_glm_image_concurrent_requests_match_one_by_one(
+    glm_vllm: OmniEngine, glm_transformers: OmniEngine
+) -> None:
     """Continuously batched (max_num_seqs 4) greedy requests give each request's solo result."""
     prompts = [f"prompt number {i}" for i in range(4)]
     results: dict[str, RunFinished] = {}
@@ -182,7 +189,10 @@ def test_glm_image_concurrent_requests_match_one_by_one(glm_vllm: OmniEngine, gl
     for thread in threads:
         thread.join(timeout=120)
     for prompt in prompts:
-        assert results[prompt].outputs[0].token_ids == run(glm_transformers, prompt, temperature=0.0).outputs[0].token_ids
+        assert (
+            results[prompt].outputs[0].token_ids
+            == run(glm_transformers, prompt, temperature=0.0).outputs[0].token_ids
+        )
 
 
 def test_glm_image_seeded_sampling_is_per_request(glm_vllm: OmniEngine) -> None:
@@ -199,10 +209,23 @@ def test_cli_run_png_identical_across_backends(model_cache: Path, tmp_path: Path
     outputs = {}
     for backend in ("vllm", "transformers"):
         out = tmp_path / f"{backend}.png"
-        code = main([
-            "run", "a red boat at sea", "--out", str(out), "--seed", "5", "--temperature", "0",
-            "--ar-backend", backend, "--data-dir", str(tmp_path / "data"), "--quiet",
-        ])
+        code = main(
+            [
+                "run",
+                "a red boat at sea",
+                "--out",
+                str(out),
+                "--seed",
+                "5",
+                "--temperature",
+                "0",
+                "--ar-backend",
+                backend,
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--quiet",
+            ]
+        )
         assert code == 0
         outputs[backend] = out.read_bytes()
     assert outputs["vllm"] == outputs["transformers"]
@@ -212,7 +235,9 @@ def test_cli_run_png_identical_across_backends(model_cache: Path, tmp_path: Path
 
 
 def test_chat_streams_text_like_transformers(chat_auto: OmniEngine, chat_transformers: OmniEngine) -> None:
-    request = GenerationRequest("tell me about the river", GenerationParams(seed=3, temperature=0.0, max_tokens=40))
+    request = GenerationRequest(
+        "tell me about the river", GenerationParams(seed=3, temperature=0.0, max_tokens=40)
+    )
     events = list(chat_auto.stream(chat_auto.resolve(request)))
     deltas = [e.text for e in events if isinstance(e, TextDelta)]
     finished = events[-1]
@@ -239,10 +264,13 @@ def test_eight_concurrent_chat_requests_complete(chat_auto: OmniEngine) -> None:
                     finished.append(i)
                     if len(finished) == 8:
                         done.set()
+
         return sink
 
     for i in range(8):
-        request = GenerationRequest(f"story {i} about a cat", GenerationParams(seed=i, max_tokens=48, temperature=0.8))
+        request = GenerationRequest(
+            f"story {i} about a cat", GenerationParams(seed=i, max_tokens=48, temperature=0.8)
+        )
         chat_auto.submit(chat_auto.resolve(request), sink_for(i))
     assert done.wait(120)
     for i in range(8):
@@ -334,12 +362,22 @@ def test_a_vllm_start_failure_names_the_way_out(model_cache: Path, data_dir: Pat
 
 def test_sampling_params_mapping() -> None:
     prompt = VllmPrompt(token_ids=[1, 2, 3], max_tokens=9)
-    greedy = sampling_params({"temperature": 0.0, "top_k": 40, "top_p": 0.5, "seed": 3}, prompt, defaults={"top_k": 40})
+    greedy = sampling_params(
+        {"temperature": 0.0, "top_k": 40, "top_p": 0.5, "seed": 3}, prompt, defaults={"top_k": 40}
+    )
     assert greedy.temperature == 0.0 and greedy.top_k in (0, -1) and greedy.top_p == 1.0
     assert greedy.max_tokens == 9 and greedy.seed == 3 and not greedy.detokenize
     sampled = sampling_params(
-        {"temperature": 0.7, "top_k": 0, "min_tokens": 2, "stop_token_ids": [5], "ignore_eos": True,
-         "repetition_penalty": 1.1, "allowed_token_ids": [7, 8], "seed": 4},
+        {
+            "temperature": 0.7,
+            "top_k": 0,
+            "min_tokens": 2,
+            "stop_token_ids": [5],
+            "ignore_eos": True,
+            "repetition_penalty": 1.1,
+            "allowed_token_ids": [7, 8],
+            "seed": 4,
+        },
         prompt,
         defaults={"temperature": 0.8, "top_k": 40},
     )
@@ -347,13 +385,17 @@ def test_sampling_params_mapping() -> None:
     assert sampled.stop_token_ids == [5] and sampled.ignore_eos and sampled.repetition_penalty == 1.1
     assert sorted(sampled.allowed_token_ids) == [5, 7, 8]
     defaults = sampling_params({"seed": 1}, prompt, defaults={"temperature": 0.8, "top_k": 40})
-    assert defaults.temperature == 0.8 and defaults.top_k == 40  # the model's generation config, like generate()
+    assert (
+        defaults.temperature == 0.8 and defaults.top_k == 40
+    )  # the model's generation config, like generate()
 
 
 # -- through the API and with vLLM's AsyncLLM -------------------------------------------------------------
 
 
-def test_serve_tiny_chat_on_vllm_streams_and_records_concurrent_runs(model_cache: Path, tmp_path: Path) -> None:
+def test_serve_tiny_chat_on_vllm_streams_and_records_concurrent_runs(
+    model_cache: Path, tmp_path: Path
+) -> None:
     """`omni-studio serve --model tiny-chat --ar-backend vllm`: SSE text streaming; 8 concurrent requests
     complete and are recorded."""
     import httpx
@@ -366,18 +408,28 @@ def test_serve_tiny_chat_on_vllm_streams_and_records_concurrent_runs(model_cache
     with running_server(["serve", "--model", "tiny-chat", "--ar-backend", "vllm"], data) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         stream = client.chat.completions.create(
-            model="tiny-chat", messages=[{"role": "user", "content": "tell me about the river"}], stream=True,
-            max_tokens=16, seed=1, temperature=0,
+            model="tiny-chat",
+            messages=[{"role": "user", "content": "tell me about the river"}],
+            stream=True,
+            max_tokens=16,
+            seed=1,
+            temperature=0,
         )
         pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
         assert len(pieces) >= 5
         statuses: list[int] = []
 
         def one(seed: int) -> None:
-            response = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
-                "model": "tiny-chat", "messages": [{"role": "user", "content": f"concurrent {seed}"}],
-                "seed": seed, "max_tokens": 32,
-            })
+            response = httpx.post(
+                server.url + "/v1/chat/completions",
+                timeout=120,
+                json={
+                    "model": "tiny-chat",
+                    "messages": [{"role": "user", "content": f"concurrent {seed}"}],
+                    "seed": seed,
+                    "max_tokens": 32,
+                },
+            )
             statuses.append(response.status_code)
 
         threads = [threading.Thread(target=one, args=(seed,)) for seed in range(8)]
@@ -400,11 +452,15 @@ def test_async_driver_streams_and_cancels(model_cache: Path, data_dir: Path) -> 
     """The GPU default (AsyncLLM, engine core in a child process) behaves like the in-process driver."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMNI_STUDIO_VLLM_DRIVER", "async")
-        deploy = {"stages": [{"stage_id": 0, "max_num_seqs": 2, "default_sampling_params": {"ignore_eos": True}}]}
+        deploy = {
+            "stages": [{"stage_id": 0, "max_num_seqs": 2, "default_sampling_params": {"ignore_eos": True}}]
+        }
         engine = build_engine("tiny-chat", deploy, data_dir=data_dir, ar_backend="vllm")
     try:
         assert engine.runners[0].driver_name == "async"
-        request = GenerationRequest("the cat sees a bird", GenerationParams(seed=2, temperature=0.0, max_tokens=24))
+        request = GenerationRequest(
+            "the cat sees a bird", GenerationParams(seed=2, temperature=0.0, max_tokens=24)
+        )
         events = list(engine.stream(engine.resolve(request)))
         assert isinstance(events[-1], RunFinished) and events[-1].outputs[0].output_tokens == 24
         assert "".join(e.text for e in events if isinstance(e, TextDelta)) == events[-1].outputs[0].text
@@ -417,7 +473,9 @@ def test_async_driver_streams_and_cancels(model_cache: Path, data_dir: Path) -> 
             if isinstance(event, (RunFinished, RunFailed)):
                 terminal.append(event)
 
-        handle = engine.submit(engine.resolve(GenerationRequest("long", GenerationParams(max_tokens=1900))), sink)
+        handle = engine.submit(
+            engine.resolve(GenerationRequest("long", GenerationParams(max_tokens=1900))), sink
+        )
         assert started.wait(60)
         handle.cancel()
         deadline = time.monotonic() + 30
@@ -442,12 +500,16 @@ def test_trained_shapes_model_draws_the_same_pictures_on_vllm(model_cache: Path,
     for backend in ("vllm", "transformers"):
         engine = build_engine("tiny-glm-shapes", data_dir=data_dir, ar_backend=backend)
         try:
-            images = [engine.run(GenerationRequest(p, GenerationParams(seed=s))).images[0] for p, s in PROMPTS]
+            images = [
+                engine.run(GenerationRequest(p, GenerationParams(seed=s))).images[0] for p, s in PROMPTS
+            ]
         finally:
             engine.close()
         pictures[backend] = [png_digest(image) for image in images]
         if backend == "vllm":
             readings = [classify(np.asarray(image.convert("RGB"))) for image in images]
-            right = [all(r.correct(parse_caption(p)).values()) for r, (p, _) in zip(readings, PROMPTS, strict=True)]
+            right = [
+                all(r.correct(parse_caption(p)).values()) for r, (p, _) in zip(readings, PROMPTS, strict=True)
+            ]
             assert sum(right) >= len(PROMPTS) - 1, list(zip(PROMPTS, readings, strict=True))
     assert pictures["vllm"] == pictures["transformers"]

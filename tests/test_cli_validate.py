@@ -45,8 +45,25 @@ def test_every_canonical_diffusion_spelling_is_accepted(tmp_path, spelling, caps
     assert main(["validate", path, "--model", "tiny-diffusion"]) == 0, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spelling", ["latents", "tokens", "images", "speech", "wav", "Image", "text ", " image",
-                                      "text +image", "text+", "+image", "text,,image", "", "nonsense"])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "latents",
+        "tokens",
+        "images",
+        "speech",
+        "wav",
+        "Image",
+        "text ",
+        " image",
+        "text +image",
+        "text+",
+        "+image",
+        "text,,image",
+        "",
+        "nonsense",
+    ],
+)
 def test_bad_spellings_are_rejected_with_the_valid_names(tmp_path, spelling, capsys):
     path = write(tmp_path, {"stages": [{"stage_id": 0, "engine_output_type": spelling}]})
     assert main(["validate", path, "--model", "tiny-chat"]) == 1

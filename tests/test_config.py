@@ -43,8 +43,13 @@ def test_seed_deploy_yaml_loads_unchanged():
     assert ar.engine_args["max_model_len"] == 32768
     assert ar.engine_args["devices"] == "0"
     assert ar.default_sampling_params == {
-        "temperature": 0.9, "top_p": 0.75, "top_k": 16512, "stop_token_ids": [16385], "max_tokens": 4353,
-        "seed": 42, "detokenize": False,
+        "temperature": 0.9,
+        "top_p": 0.75,
+        "top_k": 16512,
+        "stop_token_ids": [16385],
+        "max_tokens": 4353,
+        "seed": 42,
+        "detokenize": False,
     }
     assert dit.default_sampling_params["num_inference_steps"] == 50
     assert dit.input_processor == "ar2diffusion" and dit.input_sources == (0,)
@@ -77,9 +82,14 @@ def test_unknown_keys_are_reported_by_name_with_the_allowed_keys():
     data["stages"][1]["default_sampling_params"]["num_steps"] = 3
     data["speculative"] = True
     problems = problems_of(data)
-    assert any(p.startswith("stage 0: max_num_seq: unknown key 'max_num_seq'") and "max_num_seqs" in p for p in problems)
-    assert any(p.startswith("stage 1: default_sampling_params.num_steps: unknown key") and "num_inference_steps" in p
-               for p in problems)
+    assert any(
+        p.startswith("stage 0: max_num_seq: unknown key 'max_num_seq'") and "max_num_seqs" in p
+        for p in problems
+    )
+    assert any(
+        p.startswith("stage 1: default_sampling_params.num_steps: unknown key") and "num_inference_steps" in p
+        for p in problems
+    )
     assert any(p.startswith("config: speculative: unknown key") for p in problems)
 
 
@@ -148,14 +158,32 @@ def test_kind_cannot_contradict_the_model_family():
 def test_topology_may_be_spelled_out():
     data = seed()
     data["stages"][0].update(kind="ar", input_sources=[], engine_output_type="token_ids", final_output=False)
-    data["stages"][1].update(kind="diffusion", input_sources=[0], input_processor="ar2diffusion",
-                             engine_output_type="image", final_output=True, final_output_type="image")
+    data["stages"][1].update(
+        kind="diffusion",
+        input_sources=[0],
+        input_processor="ar2diffusion",
+        engine_output_type="image",
+        final_output=True,
+        final_output_type="image",
+    )
     config = resolve(data)
     assert config.config_hash() == resolve(seed()).config_hash()
 
 
-@pytest.mark.parametrize("value", ["text", "image", "audio", "latent", "token_ids", "text+image", "image,text",
-                                   "token_ids+text", "latent+image"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "text",
+        "image",
+        "audio",
+        "latent",
+        "token_ids",
+        "text+image",
+        "image,text",
+        "token_ids+text",
+        "latent+image",
+    ],
+)
 def test_every_canonical_spelling_passes_validation(value):
     family = get_family("diffusion") if value in ("image", "latent", "latent+image") else get_family("chat")
     if value in ("audio", "text+image", "image,text"):
@@ -166,8 +194,23 @@ def test_every_canonical_spelling_passes_validation(value):
     resolve({"stages": [{"stage_id": 0, "engine_output_type": value}]}, family)
 
 
-@pytest.mark.parametrize("value", ["latents", "tokens", "images", "speech", "wav", "Image", " text", "text ",
-                                   "text+", "+image", "text,,image", ""])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "latents",
+        "tokens",
+        "images",
+        "speech",
+        "wav",
+        "Image",
+        " text",
+        "text ",
+        "text+",
+        "+image",
+        "text,,image",
+        "",
+    ],
+)
 def test_bad_modality_spellings_fail_validation_listing_valid_names(value):
     problems = problems_of({"stages": [{"stage_id": 0, "engine_output_type": value}]}, get_family("chat"))
     assert len(problems) == 1
@@ -178,7 +221,9 @@ def test_bad_modality_spellings_fail_validation_listing_valid_names(value):
 def test_backend_key_is_validated():
     data = seed()
     data["stages"][0]["backend"] = "tensorrt"
-    assert any("stage 0: backend: Input should be 'auto', 'vllm' or 'transformers'" in p for p in problems_of(data))
+    assert any(
+        "stage 0: backend: Input should be 'auto', 'vllm' or 'transformers'" in p for p in problems_of(data)
+    )
     data = seed()
     data["stages"][1]["backend"] = "vllm"
     assert any("stage 1: backend: backend applies to ar stages only" in p for p in problems_of(data))

@@ -68,7 +68,9 @@ def test_image_to_image_from_a_generated_png(glm_engine):
     again = glm_engine.run(request)
     assert first.images[0].size == source.size  # I2I defaults to the source's size
     assert png(first.images[0]) == png(again.images[0])
-    other = glm_engine.run(GenerationRequest("make it blue", GenerationParams(seed=3), image=source.rotate(90)))
+    other = glm_engine.run(
+        GenerationRequest("make it blue", GenerationParams(seed=3), image=source.rotate(90))
+    )
     assert png(other.images[0]) != png(first.images[0])  # the source image really conditions the result
 
 
@@ -207,6 +209,7 @@ def test_concurrent_requests_all_complete_and_match_sequential_results(glm_engin
                 results[i] = png(event.images[0])
                 if len(results) == len(requests):
                     done.set()
+
         return sink
 
     for i, r in enumerate(requests):
@@ -300,7 +303,9 @@ def test_start_failure_of_a_later_stage_shuts_down_earlier_ones(session_data_dir
         raise OSError("transformer weights are corrupt")
 
     monkeypatch.setattr(GlmImageDiffusionStage, "load", fail)
-    with pytest.raises(EngineBuildError, match="stage 1 \\(diffusion\\) failed to start: transformer weights"):
+    with pytest.raises(
+        EngineBuildError, match="stage 1 \\(diffusion\\) failed to start: transformer weights"
+    ):
         OmniEngine.start(config, source)
 
 

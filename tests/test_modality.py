@@ -14,8 +14,13 @@ from engine.modality import (
     parse_output_modalities,
 )
 
-T, IMG, A, L, K = (OutputModality.TEXT, OutputModality.IMAGE, OutputModality.AUDIO, OutputModality.LATENT,
-                 OutputModality.TOKEN_IDS)
+T, IMG, A, L, K = (
+    OutputModality.TEXT,
+    OutputModality.IMAGE,
+    OutputModality.AUDIO,
+    OutputModality.LATENT,
+    OutputModality.TOKEN_IDS,
+)
 
 
 @pytest.mark.parametrize(

@@ -34,17 +34,35 @@ def test_t2i_takes_the_target_grid_after_the_preview():
     preview = torch.full((layout.preview_tokens,), 7)
     target = torch.arange(100, 100 + layout.target_tokens)  # 3x2
     generated = torch.cat([preview, target, torch.tensor([129])])  # + end token
-    params = {"height": 96, "width": 64, "seed": 5, "num_inference_steps": 3, "guidance_scale": 2.5,
-              "negative_prompt": "blurry", "prompt": "p"}
+    params = {
+        "height": 96,
+        "width": 64,
+        "seed": 5,
+        "num_inference_steps": 3,
+        "guidance_scale": 2.5,
+        "negative_prompt": "blurry",
+        "prompt": "p",
+    }
     out = ar2diffusion({"token_ids": generated}, params)
     assert out["prior_token_ids"].shape == (1, 4 * 3 * 2)
     assert out["prior_token_ids"].reshape(6, 4).tolist() == [
-        [100, 100, 101, 101], [100, 100, 101, 101],
-        [102, 102, 103, 103], [102, 102, 103, 103],
-        [104, 104, 105, 105], [104, 104, 105, 105],
+        [100, 100, 101, 101],
+        [100, 100, 101, 101],
+        [102, 102, 103, 103],
+        [102, 102, 103, 103],
+        [104, 104, 105, 105],
+        [104, 104, 105, 105],
     ]
     assert 7 not in out["prior_token_ids"]  # nothing from the preview grid leaks in
-    for key in ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "height", "width", "prompt"):
+    for key in (
+        "seed",
+        "num_inference_steps",
+        "guidance_scale",
+        "negative_prompt",
+        "height",
+        "width",
+        "prompt",
+    ):
         assert out[key] == params[key]
     assert out["prior_token_image_ids"] is None and out["source_image_grid_thw"] is None
 
@@ -53,8 +71,11 @@ def test_i2i_has_no_preview_and_upsamples_the_source_ids():
     target = torch.arange(4)
     source = torch.tensor([10, 11, 12, 13, 14, 15])  # a 2x3 source grid
     out = ar2diffusion(
-        {"token_ids": torch.cat([target, torch.tensor([129])]), "prior_image": source,
-         "prior_image_grid_thw": torch.tensor([[1, 2, 3]])},
+        {
+            "token_ids": torch.cat([target, torch.tensor([129])]),
+            "prior_image": source,
+            "prior_image_grid_thw": torch.tensor([[1, 2, 3]]),
+        },
         {"height": 64, "width": 64, "seed": 1, "num_inference_steps": 2, "guidance_scale": 1.5},
     )
     assert out["prior_token_ids"].reshape(4, 4)[0].tolist() == [0, 0, 1, 1]

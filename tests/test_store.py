@@ -24,15 +24,28 @@ from studio.store.store import INTERRUPTED_ERROR
 pytest_plugins = ["conftest_store"]
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = {"family": "glm_image", "model": {"name": "tiny-glm-image", "identity": "tiny:1"}, "async_chunk": False,
-          "stages": [{"stage_id": 0, "engine_args": {"max_num_seqs": 1}},
-                     {"stage_id": 1, "engine_args": {"max_num_seqs": 2}, "default_sampling_params": {"steps": 4}}]}
+CONFIG = {
+    "family": "glm_image",
+    "model": {"name": "tiny-glm-image", "identity": "tiny:1"},
+    "async_chunk": False,
+    "stages": [
+        {"stage_id": 0, "engine_args": {"max_num_seqs": 1}},
+        {"stage_id": 1, "engine_args": {"max_num_seqs": 2}, "default_sampling_params": {"steps": 4}},
+    ],
+}
 
 
 def new_run(store: RunStore, prompt: str = "a red fox", **overrides) -> str:
-    values = {"source": "api", "prompt": prompt, "model": "tiny-glm-image", "request": {"prompt": prompt},
-              "parameters": {"seed": 1, "num_inference_steps": 4}, "seed": 1, "config": CONFIG,
-              "fingerprint": "omni-studio-0.1.0-aaaa0000"}
+    values = {
+        "source": "api",
+        "prompt": prompt,
+        "model": "tiny-glm-image",
+        "request": {"prompt": prompt},
+        "parameters": {"seed": 1, "num_inference_steps": 4},
+        "seed": 1,
+        "config": CONFIG,
+        "fingerprint": "omni-studio-0.1.0-aaaa0000",
+    }
     values.update(overrides)
     return store.create_run(**values)
 
@@ -50,19 +63,38 @@ def test_a_run_records_everything_and_reads_back(store: RunStore) -> None:
     run_id = new_run(store, seed=2**62, parameters={"seed": 2**62, "guidance_scale": 1.5})
     assert store.get_run(run_id).status == "queued"
     assert store.mark_running(run_id, at=started)
-    store.add_stage(run_id, stage_id=0, kind="ar", status="succeeded", started_at=started,
-                    finished_at=started + 1.25, queue_seconds=0.5, input_tokens=7, output_tokens=64, batch_size=2)
+    store.add_stage(
+        run_id,
+        stage_id=0,
+        kind="ar",
+        status="succeeded",
+        started_at=started,
+        finished_at=started + 1.25,
+        queue_seconds=0.5,
+        input_tokens=7,
+        output_tokens=64,
+        batch_size=2,
+    )
     picture = Image.new("RGB", (48, 32), (10, 20, 30))
     sha = store.add_output(run_id, 0, png_bytes(picture), "image/png", 48, 32)
     assert store.finish_run(run_id, "succeeded", text=None, usage={"input_tokens": 7, "output_tokens": 64})
 
     run = store.get_run(run_id)
-    assert (run.status, run.source, run.prompt, run.model) == ("succeeded", "api", "a red fox", "tiny-glm-image")
+    assert (run.status, run.source, run.prompt, run.model) == (
+        "succeeded",
+        "api",
+        "a red fox",
+        "tiny-glm-image",
+    )
     assert run.seed == 2**62 and run.parameters == {"seed": 2**62, "guidance_scale": 1.5}
     assert run.fingerprint == "omni-studio-0.1.0-aaaa0000"
     assert run.config == CONFIG
-    assert run.config_hash == hashlib.sha256(
-        __import__("json").dumps(CONFIG, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert (
+        run.config_hash
+        == hashlib.sha256(
+            __import__("json").dumps(CONFIG, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()
+    )
     assert run.started_at == datetime.fromtimestamp(started, UTC)
     assert run.finished_at >= run.started_at and run.created_at.tzinfo is not None
     assert (run.input_tokens, run.output_tokens) == (7, 64)
@@ -186,8 +218,10 @@ def test_paging(store: RunStore, populated: dict[str, str]) -> None:
 
 def test_summary_shows_first_image(store: RunStore) -> None:
     run_id = new_run(store)
-    shas = [store.add_output(run_id, i, png_bytes(Image.new("RGB", (4, 4), (i, 0, 0))), "image/png", 4, 4)
-            for i in range(2)]
+    shas = [
+        store.add_output(run_id, i, png_bytes(Image.new("RGB", (4, 4), (i, 0, 0))), "image/png", 4, 4)
+        for i in range(2)
+    ]
     store.add_output(run_id, 0, b"hello", "text/plain; charset=utf-8")
     [summary] = store.list_runs()
     assert (summary.image_count, summary.thumbnail_sha256) == (2, shas[0])
@@ -196,8 +230,15 @@ def test_summary_shows_first_image(store: RunStore) -> None:
 
 def test_diff_of_two_runs(store: RunStore) -> None:
     a = new_run(store, parameters={"seed": 1, "num_inference_steps": 4, "height": 32})
-    b = new_run(store, "a blue fox", parameters={"seed": 2, "num_inference_steps": 4, "width": 64},
-                config={**CONFIG, "stages": [CONFIG["stages"][0], {**CONFIG["stages"][1], "engine_args": {"max_num_seqs": 4}}]})
+    b = new_run(
+        store,
+        "a blue fox",
+        parameters={"seed": 2, "num_inference_steps": 4, "width": 64},
+        config={
+            **CONFIG,
+            "stages": [CONFIG["stages"][0], {**CONFIG["stages"][1], "engine_args": {"max_num_seqs": 4}}],
+        },
+    )
     diff = store.diff_runs(a, b)
     assert diff["parameters"] == {"seed": (1, 2), "height": (32, None), "width": (None, 64)}
     assert diff["config"] == {"stages.1.engine_args.max_num_seqs": (2, 4)}
@@ -296,9 +337,14 @@ CRASHING_PROCESS = textwrap.dedent("""
 
 
 def test_kill_9_during_a_run_leaves_it_interrupted_not_running(db_url: str, data_dir: Path) -> None:
-    process = subprocess.Popen([sys.executable, "-c", CRASHING_PROCESS, db_url, str(data_dir)], cwd=REPO,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    process = subprocess.Popen(
+        [sys.executable, "-c", CRASHING_PROCESS, db_url, str(data_dir)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         run_id = process.stdout.readline().strip()
         assert run_id, "the child process did not start"
@@ -337,8 +383,11 @@ def test_two_processes_writing_at_once_lose_nothing(db_url: str, data_dir: Path)
     with open_store(db_url, data_dir):  # migrate first, so the writers race on rows, not on the schema
         pass
     writers = [
-        subprocess.Popen([sys.executable, "-c", WRITER_PROCESS, db_url, str(data_dir), "40", name], cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER_PROCESS, db_url, str(data_dir), "40", name],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         for name in ("alpha", "beta")
     ]
     assert [w.wait(timeout=120) for w in writers] == [0, 0]

@@ -52,7 +52,9 @@ def target(request: pytest.FixtureRequest, db_url: str, tmp_path: Path) -> RunSt
     store.close()
 
 
-def test_round_trip_preserves_runs_files_and_snapshots(filled: RunStore, target: RunStore, tmp_path: Path) -> None:
+def test_round_trip_preserves_runs_files_and_snapshots(
+    filled: RunStore, target: RunStore, tmp_path: Path
+) -> None:
     bundle = tmp_path / "history.zip"
     assert filled.export_bundle(bundle) == 5
     result = target.import_bundle(bundle)
@@ -81,8 +83,9 @@ def test_import_twice_adds_nothing(filled: RunStore, target: RunStore, tmp_path:
     assert sorted(p.name for p in (target.data_dir / "outputs").rglob("*.*")) == files
 
 
-def test_import_into_a_database_with_other_runs(filled: RunStore, target: RunStore, tmp_path: Path,
-                                                pipeline_config: PipelineConfig) -> None:
+def test_import_into_a_database_with_other_runs(
+    filled: RunStore, target: RunStore, tmp_path: Path, pipeline_config: PipelineConfig
+) -> None:
     recorder = RunRecorder(target)
     own = resolved_request("already here")
     record(recorder, pipeline_config, success_events(own), own)
@@ -105,7 +108,9 @@ def test_export_a_filtered_selection(filled: RunStore, target: RunStore, tmp_pat
         assert not [n for n in zf.namelist() if n.startswith("files/")]
 
 
-def test_bad_bundles_are_rejected_without_importing(filled: RunStore, target: RunStore, tmp_path: Path) -> None:
+def test_bad_bundles_are_rejected_without_importing(
+    filled: RunStore, target: RunStore, tmp_path: Path
+) -> None:
     not_zip = tmp_path / "notes.txt"
     not_zip.write_text("hello")
     with pytest.raises(BundleError, match="not a history bundle"):
@@ -134,8 +139,9 @@ def test_bad_bundles_are_rejected_without_importing(filled: RunStore, target: Ru
 
 
 @pytest.mark.postgres
-def test_sqlite_history_moves_to_postgresql(tmp_path: Path, request: pytest.FixtureRequest,
-                                            pipeline_config: PipelineConfig) -> None:
+def test_sqlite_history_moves_to_postgresql(
+    tmp_path: Path, request: pytest.FixtureRequest, pipeline_config: PipelineConfig
+) -> None:
     with open_store(None, tmp_path / "sqlite-data") as sqlite_store:
         recorder = RunRecorder(sqlite_store)
         for i in range(3):

@@ -26,7 +26,11 @@ def history(db_url: str, data_dir: Path, pipeline_config: PipelineConfig) -> dic
         recorder = RunRecorder(store)
         for name, prompt in (("cat", "a sleepy cat"), ("owl", "an owl at night"), ("fox", "A red FOX")):
             resolved = resolved_request(prompt)
-            events = failure_events(resolved, "stage 1 (diffusion) failed: boom") if name == "owl" else success_events(resolved)
+            events = (
+                failure_events(resolved, "stage 1 (diffusion) failed: boom")
+                if name == "owl"
+                else success_events(resolved)
+            )
             ids[name] = record(recorder, pipeline_config, events, resolved)
             recorder.flush()
         recorder.close()
@@ -39,7 +43,9 @@ def cli(capsys: pytest.CaptureFixture, db_url: str, data_dir: Path, *args: str) 
     return code, out, err
 
 
-def test_ls_table(history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture) -> None:
+def test_ls_table(
+    history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     code, out, _ = cli(capsys, db_url, data_dir, "ls")
     assert code == 0
     lines = out.splitlines()
@@ -49,20 +55,31 @@ def test_ls_table(history: dict[str, str], db_url: str, data_dir: Path, capsys: 
     assert lines[-1] == "3 of 3 runs"
 
 
-def test_ls_filters_and_json(history: dict[str, str], db_url: str, data_dir: Path,
-                             capsys: pytest.CaptureFixture) -> None:
+def test_ls_filters_and_json(
+    history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     code, out, _ = cli(capsys, db_url, data_dir, "ls", "--json", "--search", "fox")
     assert code == 0
     [run] = json.loads(out)
-    assert (run["id"], run["prompt"], run["status"], run["image_count"]) == (history["fox"], "A red FOX", "succeeded", 1)
+    assert (run["id"], run["prompt"], run["status"], run["image_count"]) == (
+        history["fox"],
+        "A red FOX",
+        "succeeded",
+        1,
+    )
     code, out, _ = cli(capsys, db_url, data_dir, "ls", "--json", "--status", "failed")
     assert [r["id"] for r in json.loads(out)] == [history["owl"]]
     code, out, _ = cli(capsys, db_url, data_dir, "ls", "--limit", "1")
-    assert history["fox"][:12] in out and history["cat"][:12] not in out and out.splitlines()[-1] == "1 of 3 runs"
+    assert (
+        history["fox"][:12] in out
+        and history["cat"][:12] not in out
+        and out.splitlines()[-1] == "1 of 3 runs"
+    )
 
 
-def test_ls_rejects_an_unknown_status(history: dict[str, str], db_url: str, data_dir: Path,
-                                      capsys: pytest.CaptureFixture) -> None:
+def test_ls_rejects_an_unknown_status(
+    history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     code, _, err = cli(capsys, db_url, data_dir, "ls", "--status", "done")
     assert code == 2 and "unknown status 'done'" in err and "succeeded" in err
 
@@ -72,8 +89,13 @@ def test_ls_on_an_empty_store(db_url: str, data_dir: Path, capsys: pytest.Captur
     assert (code, out.strip()) == (0, "no runs recorded yet")
 
 
-def test_show_by_prefix(history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture,
-                        pipeline_config: PipelineConfig) -> None:
+def test_show_by_prefix(
+    history: dict[str, str],
+    db_url: str,
+    data_dir: Path,
+    capsys: pytest.CaptureFixture,
+    pipeline_config: PipelineConfig,
+) -> None:
     code, out, _ = cli(capsys, db_url, data_dir, "show", history["owl"][:8])
     assert code == 0
     assert out.startswith(f"run {history['owl']}\n")
@@ -88,16 +110,23 @@ def test_show_by_prefix(history: dict[str, str], db_url: str, data_dir: Path, ca
     assert Path(image["path"]).is_file() and image["sha256"] in image["path"]
 
 
-def test_show_unknown_or_ambiguous_ids(history: dict[str, str], db_url: str, data_dir: Path,
-                                       capsys: pytest.CaptureFixture) -> None:
+def test_show_unknown_or_ambiguous_ids(
+    history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
     code, _, err = cli(capsys, db_url, data_dir, "show", "zzzz")
     assert code == 2 and "no run id starts with 'zzzz'" in err
     code, _, err = cli(capsys, db_url, data_dir, "show", "")
     assert code == 2
 
 
-def test_export_then_import_elsewhere(history: dict[str, str], db_url: str, data_dir: Path, tmp_path: Path,
-                                      capsys: pytest.CaptureFixture, request: pytest.FixtureRequest) -> None:
+def test_export_then_import_elsewhere(
+    history: dict[str, str],
+    db_url: str,
+    data_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    request: pytest.FixtureRequest,
+) -> None:
     bundle = tmp_path / "runs.zip"
     code, out, _ = cli(capsys, db_url, data_dir, "export", str(bundle))
     assert (code, out.strip()) == (0, f"exported 3 runs to {bundle}")
@@ -133,16 +162,38 @@ class _EngineKeptOpen:
         pass
 
 
-def test_omni_studio_run_is_recorded(data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
-                                     monkeypatch: pytest.MonkeyPatch, tiny_engine) -> None:
+def test_omni_studio_run_is_recorded(
+    data_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_engine,
+) -> None:
     """The real `run` command (on the already loaded tiny engine) with no --db: SQLite in the data dir.
 
     Recording itself goes through the same RunRecorder the other tests run on both databases.
     """
     monkeypatch.setattr("studio.runtime.start_engine", lambda args: _EngineKeptOpen(tiny_engine))
     out_file = tmp_path / "fox.png"
-    code = main(["run", "a red fox", "--out", str(out_file), "--seed", "5", "--steps", "1", "--height", "32",
-                 "--width", "32", "--quiet", "--data-dir", str(data_dir)])
+    code = main(
+        [
+            "run",
+            "a red fox",
+            "--out",
+            str(out_file),
+            "--seed",
+            "5",
+            "--steps",
+            "1",
+            "--height",
+            "32",
+            "--width",
+            "32",
+            "--quiet",
+            "--data-dir",
+            str(data_dir),
+        ]
+    )
     _, err = capsys.readouterr()
     assert code == 0 and out_file.exists()
     assert "recorded as run" in err
@@ -150,7 +201,13 @@ def test_omni_studio_run_is_recorded(data_dir: Path, tmp_path: Path, capsys: pyt
     with open_store(None, data_dir) as store:
         [summary] = store.list_runs()
         run = store.get_run(summary.id)
-    assert (run.source, run.status, run.prompt, run.seed, run.fingerprint) == ("cli", "succeeded", "a red fox", 5, None)
+    assert (run.source, run.status, run.prompt, run.seed, run.fingerprint) == (
+        "cli",
+        "succeeded",
+        "a red fox",
+        5,
+        None,
+    )
     assert run.request["steps"] == 1 and run.model == "tiny-glm-image"
     assert run.config_hash == tiny_engine.config_hash
     assert len(run.stages) == 2 and all(s.status == "succeeded" for s in run.stages)

@@ -26,7 +26,9 @@ from studio.store.schema import (
 
 pytest_plugins = ["conftest_store"]
 
-REVISIONS = [rev.revision for rev in reversed(list(ScriptDirectory.from_config(alembic_config()).walk_revisions()))]
+REVISIONS = [
+    rev.revision for rev in reversed(list(ScriptDirectory.from_config(alembic_config()).walk_revisions()))
+]
 NOW = datetime(2025, 1, 2, 3, 4, 5)
 
 
@@ -41,11 +43,27 @@ def tables(connection: Connection) -> set[str]:
 # What each migration adds (checked after upgrading an empty database, gone after downgrading).
 def _added_0001(connection: Connection) -> None:
     assert tables(connection) >= {"runs", "run_stages", "outputs", "config_snapshots"}
-    assert {"id", "status", "prompt", "request", "parameters", "seed", "config_hash", "fingerprint",
-            "error", "text"} <= columns(connection, "runs")
+    assert {
+        "id",
+        "status",
+        "prompt",
+        "request",
+        "parameters",
+        "seed",
+        "config_hash",
+        "fingerprint",
+        "error",
+        "text",
+    } <= columns(connection, "runs")
     indexes = {i["name"] for i in inspect(connection).get_indexes("runs")}
-    assert {"ix_runs_status", "ix_runs_model", "ix_runs_fingerprint", "ix_runs_config_hash",
-            "ix_runs_created_at", "ix_runs_source"} <= indexes
+    assert {
+        "ix_runs_status",
+        "ix_runs_model",
+        "ix_runs_fingerprint",
+        "ix_runs_config_hash",
+        "ix_runs_created_at",
+        "ix_runs_source",
+    } <= indexes
 
 
 def _removed_0001(connection: Connection) -> None:
@@ -74,23 +92,31 @@ def _check_after_0001(connection: Connection) -> None:
 
 def _populate_before_0002(connection: Connection) -> None:
     connection.execute(
-        text("INSERT INTO config_snapshots (hash, body, family, model_name, created_at) "
-             "VALUES (:h, :b, 'glm_image', 'tiny', :t)"),
+        text(
+            "INSERT INTO config_snapshots (hash, body, family, model_name, created_at) "
+            "VALUES (:h, :b, 'glm_image', 'tiny', :t)"
+        ),
         {"h": "a" * 64, "b": json.dumps({"family": "glm_image"}), "t": NOW},
     )
     for run_id, status in (("r1", "succeeded"), ("r2", "running")):
         connection.execute(
-            text("INSERT INTO runs (id, source, created_at, status, prompt, model, request, parameters, seed, "
-                 "config_hash) VALUES (:id, 'api', :t, :s, 'a fox', 'tiny', '{}', '{\"seed\": 3}', 3, :h)"),
+            text(
+                "INSERT INTO runs (id, source, created_at, status, prompt, model, request, parameters, seed, "
+                "config_hash) VALUES (:id, 'api', :t, :s, 'a fox', 'tiny', '{}', '{\"seed\": 3}', 3, :h)"
+            ),
             {"id": run_id, "t": NOW, "s": status, "h": "a" * 64},
         )
     connection.execute(
-        text("INSERT INTO run_stages (run_id, variant_index, stage_id, kind, status, queue_seconds, "
-             "input_tokens, output_tokens, batch_size) VALUES ('r1', 0, 0, 'ar', 'succeeded', 0.5, 3, 9, 1)")
+        text(
+            "INSERT INTO run_stages (run_id, variant_index, stage_id, kind, status, queue_seconds, "
+            "input_tokens, output_tokens, batch_size) VALUES ('r1', 0, 0, 'ar', 'succeeded', 0.5, 3, 9, 1)"
+        )
     )
     connection.execute(
-        text("INSERT INTO outputs (run_id, \"index\", kind, sha256, mime, width, height, size_bytes) "
-             "VALUES ('r1', 0, 'image', :sha, 'image/png', 32, 32, 100)"),
+        text(
+            'INSERT INTO outputs (run_id, "index", kind, sha256, mime, width, height, size_bytes) '
+            "VALUES ('r1', 0, 'image', :sha, 'image/png', 32, 32, 100)"
+        ),
         {"sha": "b" * 64},
     )
 

@@ -41,7 +41,9 @@ def test_png_bytes_is_deterministic_and_encoded_once(monkeypatch: pytest.MonkeyP
     assert png_bytes(a).startswith(b"\x89PNG")
     calls = []
     original = type(a).save
-    monkeypatch.setattr(type(a), "save", lambda self, *args, **kw: calls.append(1) or original(self, *args, **kw))
+    monkeypatch.setattr(
+        type(a), "save", lambda self, *args, **kw: calls.append(1) or original(self, *args, **kw)
+    )
     fresh = image((4, 5, 6))
     assert png_bytes(fresh) is png_bytes(fresh)
     assert len(calls) == 1
@@ -50,8 +52,14 @@ def test_png_bytes_is_deterministic_and_encoded_once(monkeypatch: pytest.MonkeyP
 def test_a_successful_run(recorder: RunRecorder, store: RunStore, pipeline_config: PipelineConfig) -> None:
     resolved = resolved_request("a red fox", seed=11)
     events = success_events(resolved)
-    tracker = recorder.start_run("api", resolved, pipeline_config, "glm-served", "omni-studio-0.1.0-1234abcd",
-                                 {"model": "glm-served", "messages": [{"role": "user", "content": "a red fox"}]})
+    tracker = recorder.start_run(
+        "api",
+        resolved,
+        pipeline_config,
+        "glm-served",
+        "omni-studio-0.1.0-1234abcd",
+        {"model": "glm-served", "messages": [{"role": "user", "content": "a red fox"}]},
+    )
     assert tracker.run_id == resolved.request_id  # known at once, before anything is written
     recorder.flush()
     assert store.get_run(tracker.run_id).status == "queued"
@@ -70,7 +78,10 @@ def test_a_successful_run(recorder: RunRecorder, store: RunStore, pipeline_confi
     assert run.config == pipeline_config.to_dict()
     assert run.seed == 11 and run.parameters == resolved.parameters and run.prompt == "a red fox"
     assert run.request["messages"][0]["content"] == "a red fox"
-    assert [(s.stage_id, s.kind, s.status) for s in run.stages] == [(0, "ar", "succeeded"), (1, "diffusion", "succeeded")]
+    assert [(s.stage_id, s.kind, s.status) for s in run.stages] == [
+        (0, "ar", "succeeded"),
+        (1, "diffusion", "succeeded"),
+    ]
     assert run.stages[0].output_tokens == 16 and run.stages[1].seconds == pytest.approx(0.3, abs=1e-3)
     [output] = run.outputs
     expected = png_bytes(events[-1].images[0])
@@ -105,8 +116,9 @@ def test_text_outputs(recorder: RunRecorder, store: RunStore, pipeline_config: P
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
-def test_a_failed_or_cancelled_run(recorder: RunRecorder, store: RunStore, pipeline_config: PipelineConfig,
-                                   cancelled: bool) -> None:
+def test_a_failed_or_cancelled_run(
+    recorder: RunRecorder, store: RunStore, pipeline_config: PipelineConfig, cancelled: bool
+) -> None:
     resolved = resolved_request()
     message = "the request was cancelled" if cancelled else "stage 1 (diffusion) failed: RuntimeError: boom"
     run_id = record(recorder, pipeline_config, failure_events(resolved, message, cancelled), resolved)
@@ -117,8 +129,9 @@ def test_a_failed_or_cancelled_run(recorder: RunRecorder, store: RunStore, pipel
     assert run.outputs == []
 
 
-def test_client_disconnect_is_recorded_as_cancelled(recorder: RunRecorder, store: RunStore,
-                                                    pipeline_config: PipelineConfig) -> None:
+def test_client_disconnect_is_recorded_as_cancelled(
+    recorder: RunRecorder, store: RunStore, pipeline_config: PipelineConfig
+) -> None:
     resolved = resolved_request()
     events = success_events(resolved)
     tracker = recorder.start_run("api", resolved, pipeline_config, "m", None, {})
@@ -131,13 +144,20 @@ def test_client_disconnect_is_recorded_as_cancelled(recorder: RunRecorder, store
     assert (run.status, run.error, run.outputs) == ("cancelled", "client disconnected", [])
 
 
-def test_source_image_is_stored_and_the_data_url_is_not(recorder: RunRecorder, store: RunStore,
-                                                        pipeline_config: PipelineConfig) -> None:
+def test_source_image_is_stored_and_the_data_url_is_not(
+    recorder: RunRecorder, store: RunStore, pipeline_config: PipelineConfig
+) -> None:
     source = image((0, 128, 255), size=64)
     data_url = "data:image/png;base64," + base64.b64encode(png_bytes(source) + b"\0" * 4096).decode()
     resolved = resolved_request(source_image=source)
-    tracker = recorder.start_run("api", resolved, pipeline_config, "m", None,
-                                 {"messages": [{"content": [{"type": "image_url", "image_url": {"url": data_url}}]}]})
+    tracker = recorder.start_run(
+        "api",
+        resolved,
+        pipeline_config,
+        "m",
+        None,
+        {"messages": [{"content": [{"type": "image_url", "image_url": {"url": data_url}}]}]},
+    )
     recorder.flush()
     run = store.get_run(tracker.run_id)
     stored_url = run.request["messages"][0]["content"][0]["image_url"]["url"]
@@ -146,8 +166,9 @@ def test_source_image_is_stored_and_the_data_url_is_not(recorder: RunRecorder, s
     assert source_output.kind == "source" and source_output.path.read_bytes() == png_bytes(source)
 
 
-def test_eight_threads_recording_at_once_lose_nothing(recorder: RunRecorder, store: RunStore,
-                                                      pipeline_config: PipelineConfig) -> None:
+def test_eight_threads_recording_at_once_lose_nothing(
+    recorder: RunRecorder, store: RunStore, pipeline_config: PipelineConfig
+) -> None:
     per_thread = 6
     ids: list[str] = []
     lock = threading.Lock()
@@ -173,9 +194,9 @@ def test_eight_threads_recording_at_once_lose_nothing(recorder: RunRecorder, sto
     assert len(list((store.data_dir / "outputs").rglob("*.png"))) == 8 * per_thread
 
 
-def test_the_event_loop_never_waits_for_the_database(recorder: RunRecorder, store: RunStore,
-                                                     pipeline_config: PipelineConfig,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_event_loop_never_waits_for_the_database(
+    recorder: RunRecorder, store: RunStore, pipeline_config: PipelineConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     original = store.create_run
 
     def slow_create_run(**kwargs):
@@ -199,8 +220,9 @@ def test_the_event_loop_never_waits_for_the_database(recorder: RunRecorder, stor
     assert store.count_runs(RunFilter(status="succeeded")) == 1
 
 
-def test_writer_errors_are_logged_and_the_writer_keeps_going(store: RunStore, pipeline_config: PipelineConfig,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_writer_errors_are_logged_and_the_writer_keeps_going(
+    store: RunStore, pipeline_config: PipelineConfig, caplog: pytest.LogCaptureFixture
+) -> None:
     recorder = RunRecorder(store)
     try:
         resolved = resolved_request()
@@ -221,10 +243,12 @@ def test_writer_errors_are_logged_and_the_writer_keeps_going(store: RunStore, pi
         recorder.close()
 
 
-def test_a_lost_output_file_is_noted_on_the_run(store: RunStore, pipeline_config: PipelineConfig,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lost_output_file_is_noted_on_the_run(
+    store: RunStore, pipeline_config: PipelineConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     recorder = RunRecorder(store)
     try:
+
         def disk_full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
@@ -272,10 +296,14 @@ def test_eight_concurrent_engine_requests_are_all_recorded(tiny_engine, shared_s
     recorder = RunRecorder(store)
 
     async def serve(i: int) -> str:
-        resolved = tiny_engine.resolve(GenerationRequest(
-            f"request {i}", GenerationParams(seed=i, num_inference_steps=1, height=32, width=32)
-        ))
-        tracker = recorder.start_run("api", resolved, tiny_engine.config, "tiny-glm-image", "fp-test", {"i": i})
+        resolved = tiny_engine.resolve(
+            GenerationRequest(
+                f"request {i}", GenerationParams(seed=i, num_inference_steps=1, height=32, width=32)
+            )
+        )
+        tracker = recorder.start_run(
+            "api", resolved, tiny_engine.config, "tiny-glm-image", "fp-test", {"i": i}
+        )
         async for event in tiny_engine.generate(resolved):
             tracker.observe(event)
         return tracker.run_id

@@ -47,8 +47,15 @@ def test_shipped_model_is_registered_small_and_in_the_real_layout(model_cache):
     assert model.shipped and describe_model("tiny-glm-shapes").family.name == "glm-image"
     path = ensure_builtin_model("tiny-glm-shapes", model_cache)
     assert path == model.shipped_path  # used in place, nothing built
-    for component in ("vision_language_encoder", "processor", "transformer", "vae", "text_encoder", "tokenizer",
-                      "scheduler"):
+    for component in (
+        "vision_language_encoder",
+        "processor",
+        "transformer",
+        "vae",
+        "text_encoder",
+        "tokenizer",
+        "scheduler",
+    ):
         assert (path / component).is_dir(), component
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     assert size < 10_000_000, f"{size / 1e6:.2f} MB"
@@ -92,7 +99,27 @@ def test_cli_run_draws_the_prompt(tmp_path, model_cache):
 
     prompt, seed = PROMPTS[2]
     out = tmp_path / "shape.png"
-    assert main(["run", prompt, "--model", "tiny-glm-shapes", "--height", "128", "--width", "128", "--seed", str(seed),
-                 "--out", str(out), "--data-dir", str(tmp_path / "data"), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                prompt,
+                "--model",
+                "tiny-glm-shapes",
+                "--height",
+                "128",
+                "--width",
+                "128",
+                "--seed",
+                str(seed),
+                "--out",
+                str(out),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     reading = classify(np.asarray(Image.open(out).convert("RGB")))
     assert all(reading.correct(parse_caption(prompt)).values()), reading

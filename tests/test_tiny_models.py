@@ -27,8 +27,15 @@ def test_builds_are_byte_identical(tmp_path, name, model_cache):
 
 def test_glm_image_has_the_real_checkpoint_layout(model_cache):
     path = ensure_builtin_model("tiny-glm-image", model_cache)
-    for component in ("vision_language_encoder", "processor", "transformer", "vae", "text_encoder", "tokenizer",
-                      "scheduler"):
+    for component in (
+        "vision_language_encoder",
+        "processor",
+        "transformer",
+        "vae",
+        "text_encoder",
+        "tokenizer",
+        "scheduler",
+    ):
         assert (path / component).is_dir(), component
     assert (path / "model_index.json").is_file()
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -17,8 +17,16 @@ from tests.servers import running_server
 pytestmark = pytest.mark.browser
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TIMEOUT_MS = 60_000
 
 
@@ -97,8 +105,11 @@ def test_stop_cancels_a_long_run(page, studio):
     page.wait_for_function("document.querySelector('#omni-chat-status').innerText.includes('Stopped')")
     assert "Stopped" in page.inner_text("#omni-chatbot")
     # the engine is free again: the API answers promptly
-    response = httpx.post(studio.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": "after stop"}], "seed": 1})
+    response = httpx.post(
+        studio.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "after stop"}], "seed": 1},
+    )
     assert response.status_code == 200
 
 
@@ -120,7 +131,9 @@ def test_invalid_modality_is_reported_then_a_valid_change_is_used(page):
     steps_box = page.get_by_label(re.compile(r"^num_inference_steps")).first
     steps_box.fill("6")
     page.click("#omni-form-to-yaml")
-    page.wait_for_function("document.querySelector('#omni-deploy-yaml').innerText.includes('num_inference_steps: 6')")
+    page.wait_for_function(
+        "document.querySelector('#omni-deploy-yaml').innerText.includes('num_inference_steps: 6')"
+    )
     page.click("#omni-apply")
     page.wait_for_selector("#omni-pipeline-result .omni-ok")
     assert "Applied" in page.inner_text("#omni-pipeline-result")
@@ -137,20 +150,29 @@ def test_fingerprint_change_reaches_the_api(page, studio):
     page.fill("#omni-fp-value textarea, #omni-fp-value input", "browser-fp-1")
     page.click("#omni-fp-apply")
     page.wait_for_function("document.querySelector('#omni-current-fingerprint').innerText === 'browser-fp-1'")
-    body = httpx.post(studio.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "fp"}], "seed": 2}).json()
+    body = httpx.post(
+        studio.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "fp"}], "seed": 2},
+    ).json()
     assert body["system_fingerprint"] == "browser-fp-1"
     page.locator("#omni-fp-mode").get_by_text("none", exact=True).click()
     page.click("#omni-fp-apply")
     page.wait_for_function("document.querySelector('#omni-current-fingerprint').innerText === 'none'")
-    body = httpx.post(studio.url + "/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "fp"}], "seed": 2}).json()
+    body = httpx.post(
+        studio.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "fp"}], "seed": 2},
+    ).json()
     assert "system_fingerprint" not in body
 
 
 def api_run(studio, prompt: str, seed: int) -> bytes:
-    response = httpx.post(studio.url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": prompt}], "seed": seed})
+    response = httpx.post(
+        studio.url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": prompt}], "seed": seed},
+    )
     assert response.status_code == 200
     url = response.json()["choices"][0]["message"]["content"][0]["image_url"]["url"]
     return base64.b64decode(url.split(",", 1)[1])
@@ -178,8 +200,11 @@ def test_compare_shows_the_parameter_diff(page, studio):
     tag = uuid.uuid4().hex[:8]
     ids = []
     for seed in (5, 6):
-        response = httpx.post(studio.url + "/v1/chat/completions", timeout=60,
-                              json={"messages": [{"role": "user", "content": f"compare {tag}"}], "seed": seed})
+        response = httpx.post(
+            studio.url + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": f"compare {tag}"}], "seed": seed},
+        )
         ids.append(response.headers["x-run-id"])
     open_tab(page, "History")
     page.fill("#omni-h-run-a textarea, #omni-h-run-a input", ids[0])

@@ -20,7 +20,12 @@ def test_share_without_auth_generates_credentials_and_protects_the_api(tmp_path)
         key = re.search(r"API key \(required on /v1 when shared\): (\S+)", log)
         assert login and key, log
         assert httpx.get(server.url + "/v1/models").status_code == 401
-        assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key.group(1)}"}).status_code == 200
+        assert (
+            httpx.get(
+                server.url + "/v1/models", headers={"Authorization": f"Bearer {key.group(1)}"}
+            ).status_code
+            == 200
+        )
         # the UI itself asks for the login
         assert httpx.get(server.url + "/config").status_code == 401
         session = httpx.Client(base_url=server.url)
@@ -34,4 +39,7 @@ def test_explicit_auth_and_key_are_used_as_given(tmp_path):
     with running_server(args, tmp_path / "data") as server:
         log = server.log()
         assert "UI login: alice / s3cret" in log and "API key (required" not in log
-        assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k-given"}).status_code == 200
+        assert (
+            httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k-given"}).status_code
+            == 200
+        )

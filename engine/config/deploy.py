@@ -115,5 +115,7 @@ TOPOLOGY_KEYS = (
     "backend",
 )
 ENGINE_ARG_KEYS = tuple(
-    name for name in StageConfig.model_fields if name not in TOPOLOGY_KEYS + ("stage_id", "default_sampling_params")
+    name
+    for name in StageConfig.model_fields
+    if name not in TOPOLOGY_KEYS + ("stage_id", "default_sampling_params")
 )

@@ -23,7 +23,10 @@ def _describe_error(error: dict[str, Any], model: type[BaseModel]) -> tuple[str,
     if error["type"] == "missing":
         return key, "required key is missing"
     if error["type"] == "string_pattern_mismatch" and loc and loc[-1] == "devices":
-        return key, f"invalid devices {error['input']!r}; use 'auto', 'cpu' or GPU indices such as '0' or '0,1'"
+        return (
+            key,
+            f"invalid devices {error['input']!r}; use 'auto', 'cpu' or GPU indices such as '0' or '0,1'",
+        )
     message = error["msg"]
     if "input" in error and error["type"] not in ("missing",):
         message += f" (got {error['input']!r})"
@@ -58,7 +61,11 @@ def parse_deploy_yaml_text(text: str, source: str | None = None) -> Any:
 
 
 def _stage_label(raw: Any, index: int) -> int | str:
-    if isinstance(raw, dict) and isinstance(raw.get("stage_id"), int) and not isinstance(raw["stage_id"], bool):
+    if (
+        isinstance(raw, dict)
+        and isinstance(raw.get("stage_id"), int)
+        and not isinstance(raw["stage_id"], bool)
+    ):
         return raw["stage_id"]
     return f"#{index}"
 
@@ -72,7 +79,9 @@ def parse_deploy_config(data: Any, source: str | None = None) -> tuple[DeployCon
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        return DeployConfig(), [ConfigProblem(None, "", f"the deploy config must be a mapping, got {type(data).__name__}")]
+        return DeployConfig(), [
+            ConfigProblem(None, "", f"the deploy config must be a mapping, got {type(data).__name__}")
+        ]
     problems: list[ConfigProblem] = []
     top = {k: v for k, v in data.items() if k != "stages"}
     try:
@@ -87,7 +96,9 @@ def parse_deploy_config(data: Any, source: str | None = None) -> tuple[DeployCon
     if raw_stages is None:
         raw_stages = []
     if not isinstance(raw_stages, list):
-        problems.append(ConfigProblem(None, "stages", f"must be a list of stages, got {type(raw_stages).__name__}"))
+        problems.append(
+            ConfigProblem(None, "stages", f"must be a list of stages, got {type(raw_stages).__name__}")
+        )
         raw_stages = []
     for index, raw in enumerate(raw_stages):
         label = _stage_label(raw, index)

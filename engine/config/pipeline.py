@@ -156,7 +156,9 @@ def _merge_stage(
     overrides = stage.model_dump(exclude_unset=True) if stage is not None else {}
     if template is None and overrides.get("kind") is None:
         problems.append(
-            ConfigProblem(sid, "kind", "stage is not in the built-in topology, so it must set kind: ar or diffusion")
+            ConfigProblem(
+                sid, "kind", "stage is not in the built-in topology, so it must set kind: ar or diffusion"
+            )
         )
         return None
     if template is not None and overrides.get("kind") not in (None, template.kind):
@@ -216,10 +218,14 @@ def _merge_stage(
             )
     if backend != "auto" and kind != "ar":
         problems.append(
-            ConfigProblem(sid, "backend", f"backend applies to ar stages only; a {kind} stage always uses diffusers")
+            ConfigProblem(
+                sid, "backend", f"backend applies to ar stages only; a {kind} stage always uses diffusers"
+            )
         )
     if input_processor is not None and kind != "diffusion":
-        problems.append(ConfigProblem(sid, "input_processor", "ar2diffusion feeds a diffusion stage; remove it here"))
+        problems.append(
+            ConfigProblem(sid, "input_processor", "ar2diffusion feeds a diffusion stage; remove it here")
+        )
 
     return ResolvedStage(
         stage_id=sid,
@@ -240,7 +246,9 @@ def _check_graph(stages: list[ResolvedStage], problems: list[ConfigProblem]) -> 
     for stage in stages:
         for source in stage.input_sources:
             if source == stage.stage_id:
-                problems.append(ConfigProblem(stage.stage_id, "input_sources", "a stage cannot take its own output"))
+                problems.append(
+                    ConfigProblem(stage.stage_id, "input_sources", "a stage cannot take its own output")
+                )
             elif source not in ids:
                 problems.append(
                     ConfigProblem(

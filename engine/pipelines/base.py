@@ -70,7 +70,11 @@ class PipelineFamily(ABC):
         seed = request.params.seed
         if seed is None:
             seed = next(
-                (s.default_sampling_params["seed"] for s in config.stages if "seed" in s.default_sampling_params),
+                (
+                    s.default_sampling_params["seed"]
+                    for s in config.stages
+                    if "seed" in s.default_sampling_params
+                ),
                 None,
             )
         if seed is None:
@@ -131,7 +135,9 @@ class PipelineFamily(ABC):
             if value is None:
                 raise RequestError(key, "is required (the deploy config sets no default)")
             if not isinstance(value, int) or value < self.size_multiple or value > MAX_IMAGE_SIDE:
-                raise RequestError(key, f"must be an integer from {self.size_multiple} to {MAX_IMAGE_SIDE}, got {value!r}")
+                raise RequestError(
+                    key, f"must be an integer from {self.size_multiple} to {MAX_IMAGE_SIDE}, got {value!r}"
+                )
             if value % self.size_multiple:
                 raise RequestError(
                     key, f"must be a multiple of {self.size_multiple} for {self.name} models, got {value}"
@@ -149,7 +155,9 @@ def fit_source_image(image: Image.Image, multiple: int, max_side: int = 2048) ->
     image = image.convert("RGB")
     scale = min(1.0, max_side / max(image.size))
     if scale < 1.0:
-        image = image.resize((max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.BICUBIC)
+        image = image.resize(
+            (max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.BICUBIC
+        )
     width = max(multiple, image.width // multiple * multiple)
     height = max(multiple, image.height // multiple * multiple)
     if (width, height) != image.size:

@@ -23,7 +23,11 @@ class ChatARStage(TransformersARStage):
         from transformers import AutoModelForCausalLM, AutoTokenizer  # ~2 s of imports, only when used
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.torch_dtype).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.torch_dtype)
+            .to(self.device)
+            .eval()
+        )
         self.loaded = True
 
     def close(self) -> None:
@@ -67,12 +71,17 @@ class ChatFamily(PipelineFamily):
     def detect(cls, path: Path) -> bool:
         config = read_json(Path(path) / "config.json") or {}
         architectures = config.get("architectures") or []
-        return any(a.endswith("ForCausalLM") for a in architectures) and (Path(path) / "tokenizer_config.json").exists()
+        return (
+            any(a.endswith("ForCausalLM") for a in architectures)
+            and (Path(path) / "tokenizer_config.json").exists()
+        )
 
     def create_runner(self, stage: ResolvedStage, model_path: Path, device: torch.device) -> StageRunner:
         from engine.stages.backends import ar_runner_class
 
-        return ar_runner_class(stage, transformers_runner=ChatARStage, family=self.name)(stage, model_path, device)
+        return ar_runner_class(stage, transformers_runner=ChatARStage, family=self.name)(
+            stage, model_path, device
+        )
 
     def complete_params(
         self, request: GenerationRequest, config: PipelineConfig, stage_params: dict[int, dict[str, Any]]

@@ -25,7 +25,9 @@ class TextToImageStage(DiffusersStage):
 
         index = read_json(self.model_path / "model_index.json") or {}
         # Components saved as [null, null] (e.g. SD3 without its T5) must be passed as None explicitly.
-        absent = {name: None for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]}
+        absent = {
+            name: None for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]
+        }
         return DiffusionPipeline.from_pretrained(self.model_path, dtype=self.torch_dtype, **absent)
 
     def call_kwargs(self, jobs: list[StageJob]) -> dict[str, Any]:
@@ -55,7 +57,12 @@ class DiffusionFamily(PipelineFamily):
             engine_output_type="image",
             final_output=True,
             final_output_type="image",
-            default_sampling_params={"height": 1024, "width": 1024, "num_inference_steps": 28, "guidance_scale": 7.0},
+            default_sampling_params={
+                "height": 1024,
+                "width": 1024,
+                "num_inference_steps": 28,
+                "guidance_scale": 7.0,
+            },
         ),
     )
 

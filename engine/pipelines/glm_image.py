@@ -43,9 +43,13 @@ class GlmImageARStage(TransformersARStage):
         from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
 
         self.processor = GlmImageProcessor.from_pretrained(self.model_path / PROCESSOR_COMPONENT)
-        self.model = GlmImageForConditionalGeneration.from_pretrained(
-            self.model_path / AR_COMPONENT, dtype=self.torch_dtype
-        ).to(self.device).eval()
+        self.model = (
+            GlmImageForConditionalGeneration.from_pretrained(
+                self.model_path / AR_COMPONENT, dtype=self.torch_dtype
+            )
+            .to(self.device)
+            .eval()
+        )
         self.loaded = True
 
     def close(self) -> None:
@@ -114,12 +118,18 @@ class GlmImageDiffusionStage(DiffusersStage):
         negative = first.params.get("negative_prompt")
         if negative and kwargs["guidance_scale"] > 1:
             # GLM-Image's glyph encoder sees quoted text only; the default negative is "".
-            embeds = self.pipe._get_glyph_embeds([negative] * len(jobs), device=self.device, dtype=self.pipe.dtype)
+            embeds = self.pipe._get_glyph_embeds(
+                [negative] * len(jobs), device=self.device, dtype=self.pipe.dtype
+            )
             kwargs["negative_prompt_embeds"] = embeds
         if first.inputs.get("prior_token_image_ids") is not None:  # I2I (never batched)
             kwargs["image"] = [first.inputs["image"]]
-            kwargs["prior_token_image_ids"] = [t.to(self.device) for t in first.inputs["prior_token_image_ids"]]
-            kwargs["source_image_grid_thw"] = [t.to(self.device) for t in first.inputs["source_image_grid_thw"]]
+            kwargs["prior_token_image_ids"] = [
+                t.to(self.device) for t in first.inputs["prior_token_image_ids"]
+            ]
+            kwargs["source_image_grid_thw"] = [
+                t.to(self.device) for t in first.inputs["source_image_grid_thw"]
+            ]
         return kwargs
 
 

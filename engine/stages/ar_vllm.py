@@ -171,8 +171,11 @@ class _LiveRequest:
             self.last_report = now
             self.job.emit(
                 TokenProgress(
-                    self.job.request_id, self.job.index, self.runner.stage_id,
-                    step=self.generated, total=self.prompt.max_tokens,
+                    self.job.request_id,
+                    self.job.index,
+                    self.runner.stage_id,
+                    step=self.generated,
+                    total=self.prompt.max_tokens,
                 )
             )
         if output.finished:
@@ -302,7 +305,9 @@ class _InprocDriver(_Driver):
                 self.engine.collective_rpc(
                     "register_glm_image_source_grids", args=(live.prompt.token_ids, live.prompt.source_grids)
                 )
-            self.engine.add_request(live.request_id, TokensPrompt(prompt_token_ids=live.prompt.token_ids), live.params)
+            self.engine.add_request(
+                live.request_id, TokensPrompt(prompt_token_ids=live.prompt.token_ids), live.params
+            )
         except Exception as exc:
             live.finish("failed", exc)
             return
@@ -393,8 +398,10 @@ class _AsyncDriver(_Driver):
         finally:
             self.live.pop(live.request_id, None)
             if not live.finished:  # the stream ended without a finished output (aborted)
-                live.finish("cancelled" if live.cancelled else "failed", None if live.cancelled else
-                            RuntimeError("vLLM ended the request without a result"))
+                live.finish(
+                    "cancelled" if live.cancelled else "failed",
+                    None if live.cancelled else RuntimeError("vLLM ended the request without a result"),
+                )
 
     async def _watch_cancellations(self) -> None:
         while True:
@@ -442,7 +449,9 @@ def _kv_bytes_per_token(hf_text_config: Any, dtype: torch.dtype) -> int:
     return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
-def default_cpu_kv_cache_bytes(hf_text_config: Any, dtype: torch.dtype, max_num_seqs: int, max_model_len: int) -> int:
+def default_cpu_kv_cache_bytes(
+    hf_text_config: Any, dtype: torch.dtype, max_num_seqs: int, max_model_len: int
+) -> int:
     """Room for every sequence at full length, at least 64 MiB and at most a quarter of the memory."""
     wanted = _kv_bytes_per_token(hf_text_config, dtype) * max_num_seqs * max_model_len
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -620,7 +629,9 @@ class VllmARStage(StageRunner):
                 f"length {self.max_model_len}",
             )
         params = sampling_params(
-            job.params, prompt, defaults=self.generation_defaults,
+            job.params,
+            prompt,
+            defaults=self.generation_defaults,
             stream_interval=None if self.wants_text else TOKEN_ID_STREAM_INTERVAL,
         )
         request_id = f"{job.request_id}-{job.index}-s{self.stage_id}-{next(self._counter)}"
@@ -672,7 +683,9 @@ class VllmChatARStage(VllmARStage):
 
     def prepare(self, job: StageJob) -> VllmPrompt:
         messages = [{"role": turn.role, "content": turn.text} for turn in job.inputs["messages"]]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
         return VllmPrompt(token_ids=list(ids["input_ids"]), max_tokens=int(job.params["max_tokens"]))
 
 
@@ -719,7 +732,9 @@ class VllmGlmImageARStage(VllmARStage):
             placeholders = input_ids == self.image_token_id
             codes = extras["prior_image"].reshape(-1).to(input_ids.dtype)
             if int(placeholders.sum()) != codes.numel():
-                raise ValueError(f"{int(placeholders.sum())} image placeholders but {codes.numel()} source codes")
+                raise ValueError(
+                    f"{int(placeholders.sum())} image placeholders but {codes.numel()} source codes"
+                )
             input_ids = input_ids.masked_scatter(placeholders, codes)
             grids = [[int(x) for x in g] for g in extras["prior_image_grid_thw"].tolist()]
         return VllmPrompt(input_ids.tolist(), prepared.max_new_tokens, extras, grids)
@@ -753,12 +768,14 @@ def _load_vision_encoder(path: Path, dtype: torch.dtype, device: torch.device) -
             for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 for prefix in wanted:
                     if key.startswith(prefix):
-                        states[prefix][key[len(prefix):]] = handle.get_tensor(key)
+                        states[prefix][key[len(prefix) :]] = handle.get_tensor(key)
     for prefix, module in wanted.items():
         missing, unexpected = module.load_state_dict(states[prefix], strict=False)
         missing = [k for k in missing if not k.endswith(("num_batches_tracked",))]
         if missing or unexpected:
-            raise RuntimeError(f"{path}: {prefix} weights do not match (missing {missing[:5]}, unexpected {unexpected[:5]})")
+            raise RuntimeError(
+                f"{path}: {prefix} weights do not match (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            )
         module.to(device=device, dtype=dtype).eval()
     return model
 

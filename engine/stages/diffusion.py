@@ -83,7 +83,11 @@ class DiffusersStage(StageRunner):
                 if every and latents is not None and done % every == 0 and done < total and not job.cancelled:
                     with torch.inference_mode():
                         preview = self.latents_to_images(latents[row : row + 1].clone())[0]
-                job.emit(DiffusionStep(job.request_id, job.index, self.stage_id, step=done, total=total, preview=preview))
+                job.emit(
+                    DiffusionStep(
+                        job.request_id, job.index, self.stage_id, step=done, total=total, preview=preview
+                    )
+                )
             if all(job.cancelled for job in jobs):
                 pipe._interrupt = True  # diffusers skips the remaining steps
             return {}

@@ -70,10 +70,25 @@ class BuiltinModel:
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
     m.name: m
     for m in (
-        BuiltinModel("tiny-glm-image", "glm-image", "GLM-Image architecture, AR -> DiT -> VAE (random weights)", "glm_image"),
+        BuiltinModel(
+            "tiny-glm-image",
+            "glm-image",
+            "GLM-Image architecture, AR -> DiT -> VAE (random weights)",
+            "glm_image",
+        ),
         BuiltinModel("tiny-chat", "chat", "Llama-architecture chat LM, AR only (random weights)", "chat"),
-        BuiltinModel("tiny-diffusion", "diffusion", "Stable Diffusion 3 architecture, diffusion only (random weights)", "diffusion"),
-        BuiltinModel("tiny-glm-shapes", "glm-image", "GLM-Image architecture trained on a world of coloured shapes (draws what you ask)", None),
+        BuiltinModel(
+            "tiny-diffusion",
+            "diffusion",
+            "Stable Diffusion 3 architecture, diffusion only (random weights)",
+            "diffusion",
+        ),
+        BuiltinModel(
+            "tiny-glm-shapes",
+            "glm-image",
+            "GLM-Image architecture trained on a world of coloured shapes (draws what you ask)",
+            None,
+        ),
     )
 }
 DEFAULT_MODEL = "tiny-glm-image"

@@ -55,7 +55,9 @@ def build(recipe: dict[str, Any], out_dir: Path) -> None:
     vae_cfg = recipe["vae"]
     tr = recipe["transformer"]
     torch.manual_seed(seed + 2)
-    transformer = SD3Transformer2DModel(in_channels=vae_cfg["latent_channels"], out_channels=vae_cfg["latent_channels"], **tr)
+    transformer = SD3Transformer2DModel(
+        in_channels=vae_cfg["latent_channels"], out_channels=vae_cfg["latent_channels"], **tr
+    )
     levels = len(vae_cfg["block_out_channels"])
     torch.manual_seed(seed + 3)
     vae = AutoencoderKL(

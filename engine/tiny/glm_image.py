@@ -42,8 +42,11 @@ CHAT_TEMPLATE = (
     "{%- for message in messages -%}<|{{ message.role }}|>"
     "{%- if message.content is string -%}{{ message.content }}{%- else -%}"
     "{%- for item in message.content -%}"
-    "{%- if item.type == 'image' -%}" + IMAGE_START + IMAGE_TOKEN + IMAGE_END +
-    "{%- elif item.type == 'text' -%}{{ item.text }}{%- endif -%}"
+    "{%- if item.type == 'image' -%}"
+    + IMAGE_START
+    + IMAGE_TOKEN
+    + IMAGE_END
+    + "{%- elif item.type == 'text' -%}{{ item.text }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}{%- endfor -%}"
 )
 
@@ -51,9 +54,14 @@ CHAT_TEMPLATE = (
 def glm_image_processor(tokenizer: PreTrainedTokenizerFast) -> GlmImageProcessor:
     """GLM-Image's processor around ``tokenizer`` (16 px patches, the chat template above)."""
     image_processor = GlmImageImageProcessorPil(
-        patch_size=16, temporal_patch_size=1, merge_size=1, size={"shortest_edge": 32 * 32, "longest_edge": 1024 * 1024}
+        patch_size=16,
+        temporal_patch_size=1,
+        merge_size=1,
+        size={"shortest_edge": 32 * 32, "longest_edge": 1024 * 1024},
     )
-    return GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    return GlmImageProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+    )
 
 
 def glm_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
@@ -63,7 +71,11 @@ def glm_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
         bos_token=IMAGE_START,  # the processor ends every prompt with bos = image start
         eos_token=IMAGE_END,
         pad_token=PAD,
-        extra_special_tokens={"image_token": IMAGE_TOKEN, "grid_bos_token": GRID_BOS, "grid_eos_token": GRID_EOS},
+        extra_special_tokens={
+            "image_token": IMAGE_TOKEN,
+            "grid_bos_token": GRID_BOS,
+            "grid_eos_token": GRID_EOS,
+        },
         padding_side="left",
     )
 
@@ -78,10 +90,14 @@ def special_tokens() -> list[str]:
 
 
 def build_processor(codes: int) -> GlmImageProcessor:
-    return glm_image_processor(glm_tokenizer(byte_fallback_tokenizer(leading_tokens(codes), special_tokens())))
+    return glm_image_processor(
+        glm_tokenizer(byte_fallback_tokenizer(leading_tokens(codes), special_tokens()))
+    )
 
 
-def ar_config(recipe: dict[str, Any], tok: PreTrainedTokenizerFast, *, codes: int, head_rows: int) -> GlmImageConfig:
+def ar_config(
+    recipe: dict[str, Any], tok: PreTrainedTokenizerFast, *, codes: int, head_rows: int
+) -> GlmImageConfig:
     """``GlmImageForConditionalGeneration``'s config from the recipe's ``ar``, ``vision`` and ``vq`` sections.
 
     ``head_rows`` is the LM head's size (``vision_vocab_size``): ``codes`` keeps image start/end out of the
@@ -108,7 +124,11 @@ def ar_config(recipe: dict[str, Any], tok: PreTrainedTokenizerFast, *, codes: in
             "eos_token_id": tok.convert_tokens_to_ids(IMAGE_END),
         },
         vision_config=dict(vision),
-        vq_config={"embed_dim": vq["embed_dim"], "num_embeddings": codes, "latent_channels": vision["hidden_size"]},
+        vq_config={
+            "embed_dim": vq["embed_dim"],
+            "num_embeddings": codes,
+            "latent_channels": vision["hidden_size"],
+        },
         image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
         image_start_token_id=tok.convert_tokens_to_ids(IMAGE_START),
         image_end_token_id=tok.convert_tokens_to_ids(IMAGE_END),
@@ -137,8 +157,13 @@ def build_vae(recipe: dict[str, Any], sample_size: int, **extra: Any) -> Autoenc
     """The VAE with identity latent statistics (a trained model measures and stores its own)."""
     channels = recipe["vae"]["latent_channels"]
     torch.manual_seed(int(recipe["seed"]) + 3)
-    return tiny_autoencoder(recipe["vae"], sample_size=sample_size, latents_mean=[0.0] * channels,
-                            latents_std=[1.0] * channels, **extra)
+    return tiny_autoencoder(
+        recipe["vae"],
+        sample_size=sample_size,
+        latents_mean=[0.0] * channels,
+        latents_std=[1.0] * channels,
+        **extra,
+    )
 
 
 def save_glm_image(
@@ -179,5 +204,11 @@ def build(recipe: dict[str, Any], out_dir: Path) -> None:
     config = ar_config(recipe, processor.tokenizer, codes=codes, head_rows=codes)
     torch.manual_seed(int(recipe["seed"]))
     ar_model = GlmImageForConditionalGeneration(config).eval()
-    save_glm_image(out_dir, processor=processor, ar=ar_model, glyph_encoder=build_glyph_encoder(recipe),
-                   transformer=build_dit(recipe, codes), vae=build_vae(recipe, sample_size=64))
+    save_glm_image(
+        out_dir,
+        processor=processor,
+        ar=ar_model,
+        glyph_encoder=build_glyph_encoder(recipe),
+        transformer=build_dit(recipe, codes),
+        vae=build_vae(recipe, sample_size=64),
+    )

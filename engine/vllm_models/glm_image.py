@@ -231,12 +231,16 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
             text = self._tokenizer.decode(tokens[start + 1 : end - 1])
             parts = text.split()
             if len(parts) != 2 or not all(p.isdigit() for p in parts):
-                raise ValueError(f"GLM-Image prompt has a malformed grid {text!r} between {GRID_BOS} and {GRID_EOS}")
+                raise ValueError(
+                    f"GLM-Image prompt has a malformed grid {text!r} between {GRID_BOS} and {GRID_EOS}"
+                )
             grids.insert(0, (int(parts[0]), int(parts[1])))
             end = start
         return grids
 
-    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list[Any]) -> tuple[torch.Tensor, int]:
+    def get_mrope_input_positions(
+        self, input_tokens: list[int], mm_features: list[Any]
+    ) -> tuple[torch.Tensor, int]:
         """Prompt positions as transformers' ``GlmImageModel.get_rope_index``, plus the decode table."""
         tokens = list(input_tokens)
         length = len(tokens)
@@ -257,7 +261,9 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
                 raise ValueError(
                     f"GLM-Image prompt holds {len(complete)} source image(s) but no grid shapes were registered "
                     "for it; call collective_rpc('register_glm_image_source_grids', args=(prompt_ids, grids)) "
-                    "with worker_extension_cls=" + GlmImageWorkerExtension.__module__ + ".GlmImageWorkerExtension"
+                    "with worker_extension_cls="
+                    + GlmImageWorkerExtension.__module__
+                    + ".GlmImageWorkerExtension"
                 )
 
         pieces: list[torch.Tensor] = []
@@ -265,7 +271,9 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
         previous_end = 0
         for (start, end), (t, h, w) in zip(complete, sources, strict=False):
             if end - start != t * h * w:
-                raise ValueError(f"source image grid {t}x{h}x{w} does not match its {end - start} prompt tokens")
+                raise ValueError(
+                    f"source image grid {t}x{h}x{w} does not match its {end - start} prompt tokens"
+                )
             text_len = start - previous_end
             pieces.append(torch.arange(current, current + text_len, dtype=torch.long).expand(3, -1))
             current += text_len
@@ -301,7 +309,9 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
     def _write_table(self, decode: torch.Tensor) -> int:
         n = decode.shape[1]
         if n > self.table_size:
-            raise ValueError(f"GLM-Image request needs {n} decode positions; the table holds {self.table_size}")
+            raise ValueError(
+                f"GLM-Image request needs {n} decode positions; the table holds {self.table_size}"
+            )
         with self._table_lock:
             offset = self._table_next
             if offset + n > self.table_size:

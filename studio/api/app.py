@@ -110,7 +110,10 @@ class ServingState:
                 source=self.source,
             )
             self.handlers = Handlers(
-                OpenAIServingChat(context), OpenAIServingImages(context), OpenAIServingModels(context), fingerprint
+                OpenAIServingChat(context),
+                OpenAIServingImages(context),
+                OpenAIServingModels(context),
+                fingerprint,
             )
             return self.handlers
 
@@ -134,8 +137,12 @@ class ServingState:
     def require_handlers(self) -> Handlers:
         handlers = self.handlers
         if handlers is None:
-            raise APIError(503, "The engine is not ready (starting or being rebuilt); retry shortly", None,
-                           "engine_not_ready")
+            raise APIError(
+                503,
+                "The engine is not ready (starting or being rebuilt); retry shortly",
+                None,
+                "engine_not_ready",
+            )
         return handlers
 
     def check_api_key(self, request: Request) -> None:
@@ -144,7 +151,9 @@ class ServingState:
             return
         header = request.headers.get("authorization", "")
         if not header:
-            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key")
+            raise APIError(
+                401, "Missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key"
+            )
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or token.strip() != key:
             raise APIError(401, "Incorrect API key provided", None, "invalid_api_key")
@@ -154,7 +163,9 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The request body as a JSON object; 413 past ``limit`` bytes, 400 when not JSON."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
+        raise APIError(
+            413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large"
+        )
     body = bytearray()
     async for piece in request.stream():
         body += piece
@@ -183,7 +194,9 @@ async def read_edit_form(request: Request, state: ServingState) -> tuple[dict[st
     limit = state.options.limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large")
+        raise APIError(
+            413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large"
+        )
     try:
         form = await request.form(max_part_size=state.options.limits.max_image_bytes + 1)
     except Exception as exc:  # malformed multipart
@@ -205,7 +218,9 @@ async def read_edit_form(request: Request, state: ServingState) -> tuple[dict[st
             try:
                 fields[key] = int(fields[key]) if key in EDIT_INT_FIELDS else float(fields[key])
             except ValueError:
-                raise APIError(400, f"Invalid value for '{key}': {fields[key]!r} is not a number", key) from None
+                raise APIError(
+                    400, f"Invalid value for '{key}': {fields[key]!r} is not a number", key
+                ) from None
     data = await uploads[0].read()
     image = decode_image_bytes(data, "image", state.options.limits)
     return fields, image
@@ -221,8 +236,12 @@ def record_rejection(state: ServingState, request: Request, error: APIError) -> 
     handlers = state.handlers
     try:
         error.run_id = recorder.record_rejected(
-            state.source, payload, f"{error.status} {error.type}: {error.message}", state.served_model_name,
-            state.engine.config if state.engine else None, handlers.system_fingerprint if handlers else None,
+            state.source,
+            payload,
+            f"{error.status} {error.type}: {error.message}",
+            state.served_model_name,
+            state.engine.config if state.engine else None,
+            handlers.system_fingerprint if handlers else None,
         )
     except Exception:  # recording must never turn a clear 4xx into a 500
         log.exception("could not record a rejected request")
@@ -249,7 +268,9 @@ def _endpoint(state: ServingState, name: str, handler: Endpoint, *, auth: bool =
         except Exception as exc:  # never let one request take the server down
             log.exception("unhandled error in %s", name)
             status = 500
-            return APIError(500, f"Internal error: {type(exc).__name__}: {exc}", None, "internal_error").response()
+            return APIError(
+                500, f"Internal error: {type(exc).__name__}: {exc}", None, "internal_error"
+            ).response()
         finally:
             state.metrics.requests.labels(name, str(status)).inc()
             state.metrics.latency.labels(name).observe(time.perf_counter() - started)
@@ -285,7 +306,9 @@ async def _images_edits(request: Request, state: ServingState) -> Response:
     fields, image = await read_edit_form(request, state)
     payload = {**fields, "image": "<uploaded file>"}
     request.state.omni_payload = payload
-    return await handlers.images.generate(parse(ImageGenerationRequest, fields), payload, request, image=image)
+    return await handlers.images.generate(
+        parse(ImageGenerationRequest, fields), payload, request, image=image
+    )
 
 
 async def _outputs(request: Request, state: ServingState) -> Response:
@@ -319,8 +342,13 @@ def create_api_router(state: ServingState) -> APIRouter:
     """All API routes over ``state`` (include it in any FastAPI app, Gradio's included)."""
     router = APIRouter()
     for method, path, name, handler, auth in API_ROUTES:
-        router.add_api_route(path, _endpoint(state, name, handler, auth=auth), methods=[method],
-                             include_in_schema=True, name=name)
+        router.add_api_route(
+            path,
+            _endpoint(state, name, handler, auth=auth),
+            methods=[method],
+            include_in_schema=True,
+            name=name,
+        )
     return router
 
 

@@ -64,7 +64,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
     first = errors[0]
     param = _param(first["loc"])
     if first["type"] == "extra_forbidden":
-        message = f"Unsupported field '{param}': this server does not implement it (remove it from the request)"
+        message = (
+            f"Unsupported field '{param}': this server does not implement it (remove it from the request)"
+        )
     else:
         message = f"Invalid value for '{param}': {first['msg']}" if param else first["msg"]
         if first["type"] == "value_error":

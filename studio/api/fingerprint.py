@@ -31,7 +31,9 @@ class FingerprintSettings:
                 f"--fingerprint-mode must be one of {', '.join(FINGERPRINT_MODES)}, got {self.mode!r}"
             )
         if self.mode == "custom" and not self.value:
-            raise FingerprintError("--fingerprint-mode custom needs --fingerprint-value VALUE (a non-empty string)")
+            raise FingerprintError(
+                "--fingerprint-mode custom needs --fingerprint-value VALUE (a non-empty string)"
+            )
         if self.mode != "custom" and self.value is not None:
             raise FingerprintError(
                 f"--fingerprint-value is only used with --fingerprint-mode custom (the mode is {self.mode!r}); "

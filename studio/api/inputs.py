@@ -26,7 +26,9 @@ class InputLimits:
 def decode_image_bytes(data: bytes, param: str, limits: InputLimits) -> Image.Image:
     """Bytes -> RGB PIL image; 413 when too large, 422 when not an image."""
     if len(data) > limits.max_image_bytes:
-        raise APIError(413, f"{param}: the image is {len(data)} bytes; the limit is {limits.max_image_bytes}", param)
+        raise APIError(
+            413, f"{param}: the image is {len(data)} bytes; the limit is {limits.max_image_bytes}", param
+        )
     try:
         with Image.open(io.BytesIO(data)) as opened:
             if opened.width * opened.height > limits.max_image_pixels:
@@ -39,12 +41,16 @@ def decode_image_bytes(data: bytes, param: str, limits: InputLimits) -> Image.Im
             opened.load()
             return opened.convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-        raise APIError(422, f"{param}: the data is not a decodable image ({exc})", param, "invalid_image") from exc
+        raise APIError(
+            422, f"{param}: the data is not a decodable image ({exc})", param, "invalid_image"
+        ) from exc
 
 
 def decode_data_url(url: str, param: str, limits: InputLimits) -> Image.Image:
     if url.startswith(("http://", "https://")):
-        raise APIError(400, f"{param}: only data: URLs are supported (this server does not fetch remote images)", param)
+        raise APIError(
+            400, f"{param}: only data: URLs are supported (this server does not fetch remote images)", param
+        )
     if not url.startswith("data:"):
         raise APIError(400, f"{param}: expected a data:image/...;base64,... URL", param)
     header, sep, payload = url.partition(",")
@@ -109,4 +115,6 @@ def chat_to_engine_request(request: ChatCompletionRequest, limits: InputLimits) 
     fields = request.generation()
     parse_size(fields.pop("size", None), fields)
     modalities = tuple(OutputModality(m) for m in request.modalities) if request.modalities else None
-    return GenerationRequest(prompt, params_from_fields(fields), image=image, history=history, modalities=modalities)
+    return GenerationRequest(
+        prompt, params_from_fields(fields), image=image, history=history, modalities=modalities
+    )

@@ -15,21 +15,31 @@ class APIMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "omni_studio_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"],
+            "omni_studio_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
             registry=self.registry,
         )
         self.latency = Histogram(
-            "omni_studio_request_latency_seconds", "End-to-end request latency", ["endpoint"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            "omni_studio_request_latency_seconds",
+            "End-to-end request latency",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.stage_seconds = Histogram(
-            "omni_studio_stage_seconds", "Time spent in each stage per request", ["stage", "kind"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            "omni_studio_stage_seconds",
+            "Time spent in each stage per request",
+            ["stage", "kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.queue_depth = Gauge(
             "omni_studio_queue_depth", "Jobs queued or running per stage", ["stage"], registry=self.registry
         )
-        self.in_flight = Gauge("omni_studio_requests_in_flight", "Requests inside the engine", registry=self.registry)
+        self.in_flight = Gauge(
+            "omni_studio_requests_in_flight", "Requests inside the engine", registry=self.registry
+        )
 
     def observe_stage(self, event: StageFinished) -> None:
         if event.status == "succeeded":

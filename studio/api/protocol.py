@@ -117,7 +117,9 @@ class ChatCompletionRequest(GenerationFields):
         if self.extra_body is not None:
             for key in self.extra_body.model_fields_set:
                 if key in self.model_fields_set and getattr(self, key) != getattr(self.extra_body, key):
-                    raise ValueError(f"{key} is given both at the top level and under extra_body with different values")
+                    raise ValueError(
+                        f"{key} is given both at the top level and under extra_body with different values"
+                    )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

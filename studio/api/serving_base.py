@@ -43,8 +43,15 @@ class RunTracking(Protocol):
 
 
 class Recording(Protocol):
-    def start_run(self, source: str, resolved: ResolvedRequest, config: Any, model_name: str,
-                  fingerprint: str | None, request_payload: dict[str, Any]) -> RunTracking: ...
+    def start_run(
+        self,
+        source: str,
+        resolved: ResolvedRequest,
+        config: Any,
+        model_name: str,
+        fingerprint: str | None,
+        request_payload: dict[str, Any],
+    ) -> RunTracking: ...
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,9 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(
-                404, f"The model '{model}' does not exist; this server serves '{self.served_model_name}'", "model",
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.served_model_name}'",
+                "model",
                 "model_not_found",
             )
 
@@ -105,7 +114,12 @@ class OpenAIServing:
         if recorder is None:
             return _NoTracking()
         return recorder.start_run(
-            self.context.source, resolved, self.engine.config, self.served_model_name, self.system_fingerprint, payload
+            self.context.source,
+            resolved,
+            self.engine.config,
+            self.served_model_name,
+            self.system_fingerprint,
+            payload,
         )
 
     def observe(self, tracker: RunTracking, event: EngineEvent) -> None:
@@ -123,12 +137,15 @@ class OpenAIServing:
                 first = await agen.__anext__()
             except EngineBusy as exc:
                 tracker.fail(f"rejected: queue full ({exc})")
-                raise recorded(APIError(429, f"The server is busy: {exc}. Retry later.", None, "queue_full"),
-                               tracker) from exc
+                raise recorded(
+                    APIError(429, f"The server is busy: {exc}. Retry later.", None, "queue_full"), tracker
+                ) from exc
             except EngineClosed as exc:
                 tracker.fail("rejected: the engine is being replaced")
-                raise recorded(APIError(503, "The engine is restarting; retry shortly", None, "engine_not_ready"),
-                               tracker) from exc
+                raise recorded(
+                    APIError(503, "The engine is restarting; retry shortly", None, "engine_not_ready"),
+                    tracker,
+                ) from exc
             self.observe(tracker, first)
             yield first
             async for event in agen:

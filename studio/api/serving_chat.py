@@ -83,16 +83,26 @@ class OpenAIServingChat(OpenAIServing):
         n = resolved.n
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.served_model_name, "choices": choices, **extra}
+            body = {
+                "id": chunk_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.served_model_name,
+                "choices": choices,
+                **extra,
+            }
             return sse(body)
 
         def delta(index: int, content: Any = None, **extra: Any) -> dict[str, Any]:
             d: dict[str, Any] = {} if content is None else {"content": content}
             return {"index": index, "delta": d, "finish_reason": None, **extra}
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                     for i in range(n)])
+        yield chunk(
+            [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for i in range(n)
+            ]
+        )
         finished = False
         events = self.events(resolved, tracker)
         try:
@@ -103,13 +113,20 @@ class OpenAIServingChat(OpenAIServing):
                 if isinstance(event, RunFinished):
                     for output in event.outputs:
                         if output.images:  # text already streamed as deltas
-                            parts = [{"type": "image_url", "image_url": {"url": png_data_url(img)}}
-                                     for img in output.images]
+                            parts = [
+                                {"type": "image_url", "image_url": {"url": png_data_url(img)}}
+                                for img in output.images
+                            ]
                             yield chunk([delta(output.index, parts)])
-                    fingerprint = {} if self.system_fingerprint is None else {
-                        "system_fingerprint": self.system_fingerprint}
-                    terminal = [{"index": o.index, "delta": {}, "finish_reason": o.finish_reason}
-                                for o in event.outputs]
+                    fingerprint = (
+                        {}
+                        if self.system_fingerprint is None
+                        else {"system_fingerprint": self.system_fingerprint}
+                    )
+                    terminal = [
+                        {"index": o.index, "delta": {}, "finish_reason": o.finish_reason}
+                        for o in event.outputs
+                    ]
                     if include_usage:
                         yield chunk(terminal)
                         yield chunk([], usage=usage_of(event), **fingerprint)

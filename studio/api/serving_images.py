@@ -52,7 +52,15 @@ class OpenAIServingImages(OpenAIServing):
     ) -> JSONResponse:
         self.check_model(request.model)
         fields: dict[str, Any] = request.model_dump(
-            include={"seed", "num_inference_steps", "guidance_scale", "negative_prompt", "height", "width", "n"},
+            include={
+                "seed",
+                "num_inference_steps",
+                "guidance_scale",
+                "negative_prompt",
+                "height",
+                "width",
+                "n",
+            },
             exclude_none=True,
         )
         parse_size(request.size, fields)
@@ -67,7 +75,9 @@ class OpenAIServingImages(OpenAIServing):
             encoded = png_bytes(image_out)
             if request.response_format == "url":
                 if self.context.outputs_dir is None:
-                    raise APIError(400, "response_format 'url' needs a data dir; use b64_json", "response_format")
+                    raise APIError(
+                        400, "response_format 'url' needs a data dir; use b64_json", "response_format"
+                    )
                 sha = save_output(self.context.outputs_dir, encoded)
                 base = str(raw.base_url).rstrip("/") if raw is not None else ""
                 data.append({"url": f"{base}/v1/outputs/{sha}.png", "revised_prompt": None})

@@ -14,7 +14,12 @@ class OpenAIServingModels(OpenAIServing):
             root=config.model_name,
             family=config.family,
             stages=[
-                {"stage_id": s.stage_id, "kind": s.kind, "output": s.engine_output_type, "final": s.final_output}
+                {
+                    "stage_id": s.stage_id,
+                    "kind": s.kind,
+                    "output": s.engine_output_type,
+                    "final": s.final_output,
+                }
                 for s in config.stages
             ],
             config_hash=config.config_hash(),

@@ -28,10 +28,37 @@ if TYPE_CHECKING:
 
 BUNDLE_FORMAT = "omni-studio-runs"
 BUNDLE_VERSION = 1
-RUN_FIELDS = ("id", "source", "status", "created_at", "started_at", "finished_at", "prompt", "model", "request",
-              "parameters", "seed", "config_hash", "fingerprint", "error", "text", "input_tokens", "output_tokens")
-STAGE_FIELDS = ("variant_index", "stage_id", "kind", "status", "started_at", "finished_at", "queue_seconds",
-                "input_tokens", "output_tokens", "batch_size")
+RUN_FIELDS = (
+    "id",
+    "source",
+    "status",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "prompt",
+    "model",
+    "request",
+    "parameters",
+    "seed",
+    "config_hash",
+    "fingerprint",
+    "error",
+    "text",
+    "input_tokens",
+    "output_tokens",
+)
+STAGE_FIELDS = (
+    "variant_index",
+    "stage_id",
+    "kind",
+    "status",
+    "started_at",
+    "finished_at",
+    "queue_seconds",
+    "input_tokens",
+    "output_tokens",
+    "batch_size",
+)
 OUTPUT_FIELDS = ("index", "kind", "sha256", "mime", "width", "height", "size_bytes")
 TIME_FIELDS = {"created_at", "started_at", "finished_at"}
 
@@ -58,12 +85,21 @@ def export_bundle(store: RunStore, path: Path, filter: RunFilter | None = None) 
     for run in store.iter_runs(filter):
         runs.append(run_row(run))
         if run.config is not None:
-            configs[run.config.hash] = {"body": run.config.body, "family": run.config.family,
-                                        "model_name": run.config.model_name, "created_at": iso(run.config.created_at)}
+            configs[run.config.hash] = {
+                "body": run.config.body,
+                "family": run.config.family,
+                "model_name": run.config.model_name,
+                "created_at": iso(run.config.created_at),
+            }
         for output in run.outputs:
             files.setdefault(output.sha256, output.mime)
-    manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "exported_at": iso(utcnow()),
-                "runs": len(runs), "files": len(files)}
+    manifest = {
+        "format": BUNDLE_FORMAT,
+        "version": BUNDLE_VERSION,
+        "exported_at": iso(utcnow()),
+        "runs": len(runs),
+        "files": len(files),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -95,7 +131,9 @@ def _read_bundle(archive: zipfile.ZipFile, path: Path) -> tuple[list[dict[str, A
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         raise BundleError(f"{path}: not a history bundle (format {manifest.get('format')!r})")
     if int(manifest.get("version", 0)) > BUNDLE_VERSION:
-        raise BundleError(f"{path}: bundle version {manifest['version']} is newer than this omni-studio reads")
+        raise BundleError(
+            f"{path}: bundle version {manifest['version']} is newer than this omni-studio reads"
+        )
     if not isinstance(runs, list) or not isinstance(configs, dict):
         raise BundleError(f"{path}: runs.json must hold a list and configs.json a mapping")
     return runs, configs
@@ -121,7 +159,9 @@ def _insert_run(connection: Connection, run: dict[str, Any]) -> None:
         stage["started_at"], stage["finished_at"] = _when(stage["started_at"]), _when(stage["finished_at"])
     if stages:
         connection.execute(RunStage.__table__.insert(), stages)
-    outputs = [{**{n: o.get(n) for n in OUTPUT_FIELDS}, "run_id": row["id"]} for o in run.get("outputs") or []]
+    outputs = [
+        {**{n: o.get(n) for n in OUTPUT_FIELDS}, "run_id": row["id"]} for o in run.get("outputs") or []
+    ]
     if outputs:
         connection.execute(Output.__table__.insert(), outputs)
 
@@ -158,7 +198,9 @@ def import_bundle(store: RunStore, path: Path) -> ImportResult:
                 snapshot = configs.get(config_hash)
                 if snapshot is None:
                     raise BundleError(f"{path}: config snapshot {config_hash} is referenced but missing")
-                store.upsert_snapshot(connection, config_hash, snapshot["body"], _when(snapshot.get("created_at")))
+                store.upsert_snapshot(
+                    connection, config_hash, snapshot["body"], _when(snapshot.get("created_at"))
+                )
             for run in new_runs:
                 _insert_run(connection, run)
     except BundleError:
@@ -166,5 +208,7 @@ def import_bundle(store: RunStore, path: Path) -> ImportResult:
     except (KeyError, TypeError, ValueError) as exc:
         raise BundleError(f"{path}: malformed run row ({exc.__class__.__name__}: {exc})") from exc
     except IntegrityError as exc:  # another process imported the same runs at the same moment
-        raise BundleError(f"{path}: import conflicted with concurrent writes; run it again ({exc.orig})") from exc
+        raise BundleError(
+            f"{path}: import conflicted with concurrent writes; run it again ({exc.orig})"
+        ) from exc
     return ImportResult(imported=len(new_runs), skipped=len(runs) - len(new_runs))

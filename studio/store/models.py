@@ -99,11 +99,15 @@ class Run(Base):
     owner: Mapped[str | None] = mapped_column(String(160), index=True)
 
     stages: Mapped[list[RunStage]] = relationship(
-        back_populates="run", cascade="all, delete-orphan", passive_deletes=True,
+        back_populates="run",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
         order_by="(RunStage.variant_index, RunStage.stage_id)",
     )
     outputs: Mapped[list[Output]] = relationship(
-        back_populates="run", cascade="all, delete-orphan", passive_deletes=True,
+        back_populates="run",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
         order_by="(Output.kind, Output.index)",
     )
     config: Mapped[ConfigSnapshot | None] = relationship()
@@ -113,7 +117,9 @@ class RunStage(Base):
     """One stage of one of a run's ``n`` variants: timings, token counts, status."""
 
     __tablename__ = "run_stages"
-    __table_args__ = (UniqueConstraint("run_id", "variant_index", "stage_id", name="uq_run_stages_variant_stage"),)
+    __table_args__ = (
+        UniqueConstraint("run_id", "variant_index", "stage_id", name="uq_run_stages_variant_stage"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)

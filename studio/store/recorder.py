@@ -92,7 +92,9 @@ def _prompt_of(payload: Any) -> str:
                 if isinstance(content, str):
                     return content
                 if isinstance(content, list):
-                    return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+                    return " ".join(
+                        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+                    )
     return ""
 
 
@@ -150,8 +152,11 @@ class RunRecorder:
                         task.call()
                 return
             except Exception as exc:
-                log.debug("run store: a batch of %d writes failed (%s); writing them one by one",
-                          len(tasks), exc.__class__.__name__)
+                log.debug(
+                    "run store: a batch of %d writes failed (%s); writing them one by one",
+                    len(tasks),
+                    exc.__class__.__name__,
+                )
         for task in tasks:
             self._execute(task)
 
@@ -162,7 +167,9 @@ class RunRecorder:
                 return
             except Exception as exc:
                 if attempt < RETRIES and _transient(exc):
-                    log.warning("run store: %s failed (%s); retrying", task.description, exc.__class__.__name__)
+                    log.warning(
+                        "run store: %s failed (%s); retrying", task.description, exc.__class__.__name__
+                    )
                     time.sleep(RETRY_BASE_DELAY * 2**attempt)
                     continue
                 self.errors += 1
@@ -223,8 +230,9 @@ class RunRecorder:
         if image is not None:
             self.submit(
                 f"store source image of run {run_id}",
-                lambda: self.store.add_output(run_id, 0, png_bytes(image), "image/png", image.width,
-                                              image.height, kind="source"),
+                lambda: self.store.add_output(
+                    run_id, 0, png_bytes(image), "image/png", image.width, image.height, kind="source"
+                ),
             )
         return RunTracker(self, run_id)
 
@@ -252,8 +260,16 @@ class RunRecorder:
 
         def write() -> None:
             self.store.create_run(
-                source=source, prompt=prompt, model=model_name, request=payload, parameters={}, seed=None,
-                config=body, config_hash=config_hash, fingerprint=fingerprint, run_id=run_id,
+                source=source,
+                prompt=prompt,
+                model=model_name,
+                request=payload,
+                parameters={},
+                seed=None,
+                config=body,
+                config_hash=config_hash,
+                fingerprint=fingerprint,
+                run_id=run_id,
                 created_at=created,
             )
             self.store.finish_run(run_id, status, error=error, at=created)
@@ -351,10 +367,16 @@ class RunTracker:
             self.recorder.submit(
                 f"record stage {event.stage_id} of run {run_id}",
                 lambda: self.store.add_stage(
-                    run_id, stage_id=event.stage_id, kind=event.kind, status=event.status,
-                    started_at=event.started_at, finished_at=event.finished_at,
-                    queue_seconds=event.queue_seconds, input_tokens=event.input_tokens,
-                    output_tokens=event.output_tokens, batch_size=event.batch_size,
+                    run_id,
+                    stage_id=event.stage_id,
+                    kind=event.kind,
+                    status=event.status,
+                    started_at=event.started_at,
+                    finished_at=event.finished_at,
+                    queue_seconds=event.queue_seconds,
+                    input_tokens=event.input_tokens,
+                    output_tokens=event.output_tokens,
+                    batch_size=event.batch_size,
                     variant_index=event.index,
                 ),
             )
@@ -403,7 +425,9 @@ class RunTracker:
 
         self.recorder.submit(f"finish run {run_id} as succeeded", finish)
 
-    def _submit_output(self, index: int, content: Any, mime: str, width: int | None, height: int | None) -> None:
+    def _submit_output(
+        self, index: int, content: Any, mime: str, width: int | None, height: int | None
+    ) -> None:
         run_id = self.run_id
 
         kind = mime.split(";")[0]

@@ -71,7 +71,6 @@ def create_store_engine(url: str) -> Engine:
     return create_engine(parsed, pool_pre_ping=True)
 
 
-
 def alembic_config(connection: Connection | None = None) -> Any:
     """Alembic's config for the run store's migrations (no alembic.ini: everything is set here)."""
     from alembic.config import Config

@@ -82,7 +82,9 @@ _FINISH = (
         finished_at=bindparam("p_at"),
         text=func.coalesce(bindparam("p_text", type_=_runs.c.text.type), _runs.c.text),
         input_tokens=func.coalesce(bindparam("p_in", type_=_runs.c.input_tokens.type), _runs.c.input_tokens),
-        output_tokens=func.coalesce(bindparam("p_out", type_=_runs.c.output_tokens.type), _runs.c.output_tokens),
+        output_tokens=func.coalesce(
+            bindparam("p_out", type_=_runs.c.output_tokens.type), _runs.c.output_tokens
+        ),
     )
 )
 
@@ -174,8 +176,10 @@ class RunStore:
             store.close()
             raise
         if store.interrupted_at_open:
-            log.warning("run store: %d run(s) left running by a stopped process marked interrupted",
-                        store.interrupted_at_open)
+            log.warning(
+                "run store: %d run(s) left running by a stopped process marked interrupted",
+                store.interrupted_at_open,
+            )
         return store
 
     def _claim_owner(self) -> None:
@@ -319,8 +323,13 @@ class RunStore:
         # Concurrent processes may snapshot the same config; the first wins, the rest are no-ops.
         return dialect_insert(table).on_conflict_do_nothing()
 
-    def _upsert_snapshot(self, connection: Connection, config_hash: str, body: Mapping[str, Any],
-                         created_at: datetime | None = None) -> None:
+    def _upsert_snapshot(
+        self,
+        connection: Connection,
+        config_hash: str,
+        body: Mapping[str, Any],
+        created_at: datetime | None = None,
+    ) -> None:
         if config_hash in self._known_snapshots:
             return
         model = body.get("model") if isinstance(body.get("model"), Mapping) else {}
@@ -364,10 +373,18 @@ class RunStore:
         if config is not None and config_hash is None:
             config_hash = config_hash_of(config)
         row = {
-            "id": run_id, "source": source, "created_at": as_datetime(created_at) or utcnow(), "status": status,
-            "prompt": prompt, "model": model, "request": jsonable(dict(request)),
-            "parameters": jsonable(dict(parameters)), "seed": seed, "config_hash": config_hash,
-            "fingerprint": fingerprint, "owner": self.owner,
+            "id": run_id,
+            "source": source,
+            "created_at": as_datetime(created_at) or utcnow(),
+            "status": status,
+            "prompt": prompt,
+            "model": model,
+            "request": jsonable(dict(request)),
+            "parameters": jsonable(dict(parameters)),
+            "seed": seed,
+            "config_hash": config_hash,
+            "fingerprint": fingerprint,
+            "owner": self.owner,
         }
         with self._write() as connection:
             if config is not None:
@@ -401,10 +418,17 @@ class RunStore:
     ) -> None:
         """Record one finished stage of one variant (timings are datetimes or ``time.time()`` stamps)."""
         row = {
-            "run_id": run_id, "variant_index": variant_index, "stage_id": stage_id, "kind": kind,
-            "status": status, "started_at": as_datetime(started_at), "finished_at": as_datetime(finished_at),
-            "queue_seconds": float(queue_seconds), "input_tokens": int(input_tokens),
-            "output_tokens": int(output_tokens), "batch_size": int(batch_size),
+            "run_id": run_id,
+            "variant_index": variant_index,
+            "stage_id": stage_id,
+            "kind": kind,
+            "status": status,
+            "started_at": as_datetime(started_at),
+            "finished_at": as_datetime(finished_at),
+            "queue_seconds": float(queue_seconds),
+            "input_tokens": int(input_tokens),
+            "output_tokens": int(output_tokens),
+            "batch_size": int(batch_size),
         }
         with self._write() as connection:
             connection.execute(_stages.insert(), row)
@@ -449,8 +473,16 @@ class RunStore:
         if kind not in OUTPUT_KINDS:
             raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
         sha256, path = self.write_file(data, mime)
-        row = {"run_id": run_id, "index": index, "kind": kind, "sha256": sha256, "mime": mime,
-               "width": width, "height": height, "size_bytes": len(data)}
+        row = {
+            "run_id": run_id,
+            "index": index,
+            "kind": kind,
+            "sha256": sha256,
+            "mime": mime,
+            "width": width,
+            "height": height,
+            "size_bytes": len(data),
+        }
         with self._write() as connection:
             connection.execute(_outputs.insert(), row)
         if not path.exists():  # retention in another process removed it between our write and our row
@@ -474,8 +506,15 @@ class RunStore:
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"a run finishes as one of {', '.join(TERMINAL_STATUSES)}, not {status!r}")
         usage = usage or {}
-        params = {"p_id": run_id, "p_status": status, "p_error": error, "p_at": as_datetime(at) or utcnow(),
-                  "p_text": text, "p_in": usage.get("input_tokens"), "p_out": usage.get("output_tokens")}
+        params = {
+            "p_id": run_id,
+            "p_status": status,
+            "p_error": error,
+            "p_at": as_datetime(at) or utcnow(),
+            "p_text": text,
+            "p_in": usage.get("input_tokens"),
+            "p_out": usage.get("output_tokens"),
+        }
         with self._write() as connection:
             return bool(connection.execute(_FINISH, params).rowcount)
 
@@ -483,19 +522,49 @@ class RunStore:
 
     def _detail(self, run: Run) -> RunDetail:
         return RunDetail(
-            id=run.id, source=run.source, status=run.status, created_at=run.created_at,
-            started_at=run.started_at, finished_at=run.finished_at, prompt=run.prompt, model=run.model,
-            request=run.request, parameters=run.parameters, seed=run.seed, config_hash=run.config_hash,
-            fingerprint=run.fingerprint, error=run.error, text=run.text, input_tokens=run.input_tokens,
+            id=run.id,
+            source=run.source,
+            status=run.status,
+            created_at=run.created_at,
+            started_at=run.started_at,
+            finished_at=run.finished_at,
+            prompt=run.prompt,
+            model=run.model,
+            request=run.request,
+            parameters=run.parameters,
+            seed=run.seed,
+            config_hash=run.config_hash,
+            fingerprint=run.fingerprint,
+            error=run.error,
+            text=run.text,
+            input_tokens=run.input_tokens,
             output_tokens=run.output_tokens,
             stages=[
-                StageRecord(s.variant_index, s.stage_id, s.kind, s.status, s.started_at, s.finished_at,
-                            s.queue_seconds, s.input_tokens, s.output_tokens, s.batch_size)
+                StageRecord(
+                    s.variant_index,
+                    s.stage_id,
+                    s.kind,
+                    s.status,
+                    s.started_at,
+                    s.finished_at,
+                    s.queue_seconds,
+                    s.input_tokens,
+                    s.output_tokens,
+                    s.batch_size,
+                )
                 for s in run.stages
             ],
             outputs=[
-                OutputRecord(o.index, o.kind, o.sha256, o.mime, o.width, o.height, o.size_bytes,
-                             self.file_path(o.sha256, o.mime))
+                OutputRecord(
+                    o.index,
+                    o.kind,
+                    o.sha256,
+                    o.mime,
+                    o.width,
+                    o.height,
+                    o.size_bytes,
+                    self.file_path(o.sha256, o.mime),
+                )
                 for o in run.outputs
             ],
             config=run.config.body if run.config is not None else None,
@@ -503,10 +572,15 @@ class RunStore:
 
     @staticmethod
     def _load_runs(session: Session, ids: Sequence[str]) -> list[Run]:
-        runs = session.scalars(
-            select(Run).where(Run.id.in_(ids))
-            .options(selectinload(Run.stages), selectinload(Run.outputs), joinedload(Run.config))
-        ).unique().all()
+        runs = (
+            session.scalars(
+                select(Run)
+                .where(Run.id.in_(ids))
+                .options(selectinload(Run.stages), selectinload(Run.outputs), joinedload(Run.config))
+            )
+            .unique()
+            .all()
+        )
         order = {run_id: i for i, run_id in enumerate(ids)}
         return sorted(runs, key=lambda r: order[r.id])
 
@@ -521,10 +595,12 @@ class RunStore:
     def iter_runs(self, filter: RunFilter | None = None, chunk: int = 500) -> Iterator[Run]:
         """Every matching run, oldest first, loaded with stages, outputs and snapshot (for export)."""
         with self._read() as session:
-            ids = list(session.scalars(self._filtered(select(Run.id), filter).order_by(Run.created_at, Run.id)))
+            ids = list(
+                session.scalars(self._filtered(select(Run.id), filter).order_by(Run.created_at, Run.id))
+            )
         for start in range(0, len(ids), chunk):
             with self._read() as session:
-                yield from self._load_runs(session, ids[start:start + chunk])
+                yield from self._load_runs(session, ids[start : start + chunk])
 
     def resolve_run_id(self, prefix: str) -> str:
         """The full id of the one run whose id starts with ``prefix`` (ids are shown shortened)."""
@@ -540,7 +616,9 @@ class RunStore:
         if not ids:
             raise RunNotFound(f"no run id starts with {prefix!r}")
         if len(ids) > 1:
-            raise AmbiguousRunId(f"{prefix!r} matches several runs ({', '.join(ids[:2])}, ...); give more digits")
+            raise AmbiguousRunId(
+                f"{prefix!r} matches several runs ({', '.join(ids[:2])}, ...); give more digits"
+            )
         return ids[0]
 
     @staticmethod
@@ -550,7 +628,10 @@ class RunStore:
         conditions = []
         if flt.search:
             conditions.append(Run.prompt.icontains(flt.search, autoescape=True))
-        for column, value, allowed in ((Run.status, flt.status, RUN_STATUSES), (Run.source, flt.source, RUN_SOURCES)):
+        for column, value, allowed in (
+            (Run.status, flt.status, RUN_STATUSES),
+            (Run.source, flt.source, RUN_SOURCES),
+        ):
             if value is None:
                 continue
             values = [value] if isinstance(value, str) else list(value)
@@ -570,12 +651,30 @@ class RunStore:
             conditions.append(Run.created_at <= as_datetime(flt.until))
         return statement.where(*conditions) if conditions else statement
 
-    def list_runs(self, filter: RunFilter | None = None, limit: int = 50, offset: int = 0) -> list[RunSummary]:
+    def list_runs(
+        self, filter: RunFilter | None = None, limit: int = 50, offset: int = 0
+    ) -> list[RunSummary]:
         """Runs matching ``filter``, newest first, ``limit`` from ``offset`` (for paging)."""
-        columns = (Run.id, Run.source, Run.status, Run.created_at, Run.started_at, Run.finished_at, Run.prompt,
-                   Run.model, Run.seed, Run.fingerprint, Run.config_hash, Run.error)
+        columns = (
+            Run.id,
+            Run.source,
+            Run.status,
+            Run.created_at,
+            Run.started_at,
+            Run.finished_at,
+            Run.prompt,
+            Run.model,
+            Run.seed,
+            Run.fingerprint,
+            Run.config_hash,
+            Run.error,
+        )
         statement = self._filtered(select(*columns), filter)
-        statement = statement.order_by(Run.created_at.desc(), Run.id.desc()).limit(max(0, limit)).offset(max(0, offset))
+        statement = (
+            statement.order_by(Run.created_at.desc(), Run.id.desc())
+            .limit(max(0, limit))
+            .offset(max(0, offset))
+        )
         with self._read() as session:
             rows = session.execute(statement).all()
             ids = [row.id for row in rows]
@@ -583,8 +682,9 @@ class RunStore:
             thumbs: dict[str, str] = {}
             if ids:
                 images = session.execute(
-                    select(Output.run_id, Output.index, Output.sha256)
-                    .where(Output.run_id.in_(ids), Output.kind == "image")
+                    select(Output.run_id, Output.index, Output.sha256).where(
+                        Output.run_id.in_(ids), Output.kind == "image"
+                    )
                 ).all()
                 for run_id, index, sha in images:
                     counts[run_id] = counts.get(run_id, 0) + 1
@@ -607,7 +707,10 @@ class RunStore:
         (``stages.1.default_sampling_params.num_inference_steps``). A key missing on one side shows None.
         """
         run_a, run_b = self.get_run(a), self.get_run(b)
-        fields_a = {k: getattr(run_a, k) for k in ("prompt", "model", "source", "status", "fingerprint", "config_hash")}
+        fields_a = {
+            k: getattr(run_a, k)
+            for k in ("prompt", "model", "source", "status", "fingerprint", "config_hash")
+        }
         fields_b = {k: getattr(run_b, k) for k in fields_a}
         return {
             "run": diff_mappings(fields_a, fields_b),
@@ -633,7 +736,7 @@ class RunStore:
         deleted = 0
         shas: set[str] = set()
         for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
+            chunk = ids[start : start + 500]
             with self._write() as connection:
                 shas.update(connection.scalars(select(_outputs.c.sha256).where(_outputs.c.run_id.in_(chunk))))
                 # Stages and outputs go with their run (ON DELETE CASCADE).
@@ -665,9 +768,11 @@ class RunStore:
         """
         cutoff = utcnow() - timedelta(days=days)
         with self._read() as session:
-            ids = list(session.scalars(
-                select(Run.id).where(Run.created_at < cutoff, Run.status.not_in(ACTIVE_STATUSES))
-            ))
+            ids = list(
+                session.scalars(
+                    select(Run.id).where(Run.created_at < cutoff, Run.status.not_in(ACTIVE_STATUSES))
+                )
+            )
         return self._delete_ids(ids)
 
     # bundles --------------------------------------------------------------------------------------
@@ -693,7 +798,7 @@ class RunStore:
         found: set[str] = set()
         with self._read() as session:
             for start in range(0, len(ids), 500):
-                found.update(session.scalars(select(Run.id).where(Run.id.in_(ids[start:start + 500]))))
+                found.update(session.scalars(select(Run.id).where(Run.id.in_(ids[start : start + 500]))))
         return found
 
     @contextmanager
@@ -702,8 +807,13 @@ class RunStore:
         with self._write() as connection:
             yield connection
 
-    def upsert_snapshot(self, connection: Connection, config_hash: str, body: Mapping[str, Any],
-                        created_at: datetime | None = None) -> None:
+    def upsert_snapshot(
+        self,
+        connection: Connection,
+        config_hash: str,
+        body: Mapping[str, Any],
+        created_at: datetime | None = None,
+    ) -> None:
         """Add a config snapshot unless one with this hash exists (inside ``connection``'s transaction)."""
         self._upsert_snapshot(connection, config_hash, body, created_at)
 

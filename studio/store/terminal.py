@@ -38,8 +38,10 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Left-aligned columns separated by two spaces; the last column is not padded."""
     cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = ["  ".join(cell.ljust(widths[i]) if i < len(headers) - 1 else cell for i, cell in enumerate(row))
-             for row in cells]
+    lines = [
+        "  ".join(cell.ljust(widths[i]) if i < len(headers) - 1 else cell for i, cell in enumerate(row))
+        for row in cells
+    ]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -48,8 +50,16 @@ def format_run_table(runs: Sequence[RunSummary], total: int) -> str:
     if not runs:
         return "no runs recorded yet" if total == 0 else f"no runs on this page ({total} match)"
     rows = [
-        (r.id[:SHORT_ID], local_time(r.created_at), r.source, r.status, r.model, seconds(r.seconds),
-         r.image_count, one_line(r.prompt, 60))
+        (
+            r.id[:SHORT_ID],
+            local_time(r.created_at),
+            r.source,
+            r.status,
+            r.model,
+            seconds(r.seconds),
+            r.image_count,
+            one_line(r.prompt, 60),
+        )
         for r in runs
     ]
     body = table(("ID", "CREATED", "SOURCE", "STATUS", "MODEL", "TIME", "IMAGES", "PROMPT"), rows)
@@ -64,11 +74,18 @@ def format_run_detail(run: RunDetail) -> str:
         config = f"{run.config_hash[:8]} ({family})" if family else run.config_hash[:8]
     tokens = "-" if run.input_tokens is None else f"{run.input_tokens} in, {run.output_tokens} out"
     fields = [
-        ("status", run.status), ("source", run.source), ("model", run.model),
-        ("created", local_time(run.created_at)), ("started", local_time(run.started_at)),
-        ("finished", local_time(run.finished_at)), ("duration", seconds(run.seconds)),
-        ("prompt", run.prompt), ("seed", run.seed if run.seed is not None else "-"),
-        ("fingerprint", run.fingerprint or "-"), ("config", config), ("tokens", tokens),
+        ("status", run.status),
+        ("source", run.source),
+        ("model", run.model),
+        ("created", local_time(run.created_at)),
+        ("started", local_time(run.started_at)),
+        ("finished", local_time(run.finished_at)),
+        ("duration", seconds(run.seconds)),
+        ("prompt", run.prompt),
+        ("seed", run.seed if run.seed is not None else "-"),
+        ("fingerprint", run.fingerprint or "-"),
+        ("config", config),
+        ("tokens", tokens),
     ]
     if run.error:
         fields.append(("error", run.error))
@@ -81,16 +98,40 @@ def format_run_detail(run: RunDetail) -> str:
         lines += [f"  {k.ljust(pwidth)}  {json.dumps(v)}" for k, v in sorted(run.parameters.items())]
     if run.stages:
         lines.append("stages")
-        rows = [(s.variant_index, s.stage_id, s.kind, s.status, seconds(s.queue_seconds), seconds(s.seconds),
-                 s.input_tokens, s.output_tokens, s.batch_size) for s in run.stages]
-        body = table(("VARIANT", "STAGE", "KIND", "STATUS", "QUEUED", "TIME", "TOKENS IN", "TOKENS OUT", "BATCH"),
-                     rows)
+        rows = [
+            (
+                s.variant_index,
+                s.stage_id,
+                s.kind,
+                s.status,
+                seconds(s.queue_seconds),
+                seconds(s.seconds),
+                s.input_tokens,
+                s.output_tokens,
+                s.batch_size,
+            )
+            for s in run.stages
+        ]
+        body = table(
+            ("VARIANT", "STAGE", "KIND", "STATUS", "QUEUED", "TIME", "TOKENS IN", "TOKENS OUT", "BATCH"), rows
+        )
         lines += ["  " + line for line in body.splitlines()]
     if run.outputs:
         lines.append("outputs")
-        rows = [(o.kind, o.index, f"{o.width}x{o.height}" if o.width else "-", size(o.size_bytes), o.sha256[:12],
-                 o.path) for o in run.outputs]
-        lines += ["  " + line for line in table(("KIND", "#", "SIZE", "BYTES", "SHA256", "FILE"), rows).splitlines()]
+        rows = [
+            (
+                o.kind,
+                o.index,
+                f"{o.width}x{o.height}" if o.width else "-",
+                size(o.size_bytes),
+                o.sha256[:12],
+                o.path,
+            )
+            for o in run.outputs
+        ]
+        lines += [
+            "  " + line for line in table(("KIND", "#", "SIZE", "BYTES", "SHA256", "FILE"), rows).splitlines()
+        ]
     if run.text:
         lines.append("text")
         lines += ["  " + line for line in run.text.splitlines()]

@@ -58,8 +58,9 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 history = build_history_tab(studio)
             with gr.Tab("System", id="system") as system_tab:
                 system = build_system_tab(studio)
-        pipeline["apply_event"].then(chat["sync_defaults"], None, chat["defaults_outputs"],
-                                     api_visibility="private")
+        pipeline["apply_event"].then(
+            chat["sync_defaults"], None, chat["defaults_outputs"], api_visibility="private"
+        )
         for event in (pipeline["apply_event"], chat["switch_event"]):  # the header names the running config
             event.then(lambda: header(studio), None, [title], api_visibility="private")
         # Each tab shows the current state when opened (another tab, the API or the CLI may have changed it).
@@ -115,8 +116,15 @@ def launch_studio(args: argparse.Namespace, engine=None) -> int:
     engine = engine or start_engine(args)
     serving = ServingState(engine, options, recorder=recorder, source="api")
     deploy_text = Path(args.deploy_config).read_text() if args.deploy_config else None
-    studio = Studio(engine, serving, data_dir, recorder=recorder, store=getattr(recorder, "store", None),
-                    deploy_text=deploy_text, ar_backend=args.ar_backend)
+    studio = Studio(
+        engine,
+        serving,
+        data_dir,
+        recorder=recorder,
+        store=getattr(recorder, "store", None),
+        deploy_text=deploy_text,
+        ar_backend=args.ar_backend,
+    )
     studio.share.requested = bool(args.share)
     studio.share.api_key_generated = generated_key
     if args.share:

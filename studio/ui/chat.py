@@ -95,18 +95,22 @@ def build_request(
         with Image.open(path) as opened:
             image = opened.convert("RGB")
     family = studio.config.family
-    fields: dict[str, Any] = {"seed": None if seed is None or seed < 0 else int(seed),
-                              "preview_every": int(preview_every)}
+    fields: dict[str, Any] = {
+        "seed": None if seed is None or seed < 0 else int(seed),
+        "preview_every": int(preview_every),
+    }
     if family == "chat":
         fields.update(max_tokens=int(max_tokens), temperature=float(temperature))
     else:
-        fields.update(num_inference_steps=int(steps), guidance_scale=float(guidance),
-                      negative_prompt=negative or None)
+        fields.update(
+            num_inference_steps=int(steps), guidance_scale=float(guidance), negative_prompt=negative or None
+        )
         if image is None or (width and height):
             fields.update(width=int(width), height=int(height))
     wanted = tuple(OutputModality(m) for m in modalities) if modalities else None
-    return GenerationRequest(text, params_from_fields(fields), image=image, history=history_turns(history),
-                             modalities=wanted)
+    return GenerationRequest(
+        text, params_from_fields(fields), image=image, history=history_turns(history), modalities=wanted
+    )
 
 
 def build_chat_tab(studio: Studio) -> dict[str, Any]:
@@ -117,7 +121,10 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="omni-chatbot", buttons=["copy"])
             message = gr.MultimodalTextbox(
                 placeholder="Describe an image (attach a source image for image-to-image) and press Enter",
-                file_types=["image"], file_count="single", sources=["upload"], show_label=False,
+                file_types=["image"],
+                file_count="single",
+                sources=["upload"],
+                show_label=False,
                 elem_id="omni-message",
             )
             with gr.Row():
@@ -127,34 +134,79 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             status = gr.Markdown("", elem_id="omni-chat-status")
         with gr.Column(scale=2):
             progress = gr.HTML(render_progress({}), label="Progress", elem_id="omni-progress")
-            preview = gr.Image(label="Diffusion preview", type="pil", interactive=False, height=256,
-                               elem_id="omni-preview")
+            preview = gr.Image(
+                label="Diffusion preview", type="pil", interactive=False, height=256, elem_id="omni-preview"
+            )
             with gr.Accordion("Parameters", open=True):
-                model = gr.Dropdown(studio.builtin_models(), value=studio.model.name, label="Model",
-                                    allow_custom_value=True, elem_id="omni-model")
+                model = gr.Dropdown(
+                    studio.builtin_models(),
+                    value=studio.model.name,
+                    label="Model",
+                    allow_custom_value=True,
+                    elem_id="omni-model",
+                )
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)", elem_id="omni-seed")
                 with gr.Row():
-                    width = gr.Slider(32, 1024, value=defaults.get("width", 64), step=32, label="Width",
-                                      elem_id="omni-width")
-                    height = gr.Slider(32, 1024, value=defaults.get("height", 64), step=32, label="Height",
-                                       elem_id="omni-height")
+                    width = gr.Slider(
+                        32,
+                        1024,
+                        value=defaults.get("width", 64),
+                        step=32,
+                        label="Width",
+                        elem_id="omni-width",
+                    )
+                    height = gr.Slider(
+                        32,
+                        1024,
+                        value=defaults.get("height", 64),
+                        step=32,
+                        label="Height",
+                        elem_id="omni-height",
+                    )
                 with gr.Row():
-                    steps = gr.Slider(1, 100, value=defaults.get("num_inference_steps", 4), step=1, label="Steps",
-                                      elem_id="omni-steps")
-                    guidance = gr.Slider(0, 20, value=defaults.get("guidance_scale", 1.5), step=0.1,
-                                         label="Guidance", elem_id="omni-guidance")
+                    steps = gr.Slider(
+                        1,
+                        100,
+                        value=defaults.get("num_inference_steps", 4),
+                        step=1,
+                        label="Steps",
+                        elem_id="omni-steps",
+                    )
+                    guidance = gr.Slider(
+                        0,
+                        20,
+                        value=defaults.get("guidance_scale", 1.5),
+                        step=0.1,
+                        label="Guidance",
+                        elem_id="omni-guidance",
+                    )
                 negative = gr.Textbox(label="Negative prompt", lines=1)
                 with gr.Row():
                     max_tokens = gr.Slider(1, 1024, value=64, step=1, label="Max tokens (text models)")
                     temperature = gr.Slider(0, 2, value=0.8, step=0.05, label="Temperature (text models)")
-                modalities = gr.CheckboxGroup(["text", "image", "token_ids"], label="Output modalities (empty: "
-                                              "what the pipeline's final stage produces)", elem_id="omni-modalities")
+                modalities = gr.CheckboxGroup(
+                    ["text", "image", "token_ids"],
+                    label="Output modalities (empty: what the pipeline's final stage produces)",
+                    elem_id="omni-modalities",
+                )
                 preview_every = gr.Slider(0, 10, value=1, step=1, label="Preview every k steps (0: none)")
     run_id = gr.State(None)
     last_image = gr.State(None)
 
-    async def send(message_value, history, seed_v, width_v, height_v, steps_v, guidance_v, negative_v,
-                   max_tokens_v, temperature_v, modalities_v, preview_every_v):
+    async def send(
+        message_value,
+        history,
+        seed_v,
+        width_v,
+        height_v,
+        steps_v,
+        guidance_v,
+        negative_v,
+        max_tokens_v,
+        temperature_v,
+        modalities_v,
+        preview_every_v,
+    ):
         history = list(history or [])
         text = (message_value or {}).get("text", "") or ""
         files = (message_value or {}).get("files") or []
@@ -167,24 +219,52 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             yield history, gr.skip(), render_progress({}), gr.skip(), None, gr.skip(), "Type a prompt first."
             return
         try:
-            request = build_request(studio, message_value, history, seed_v, width_v, height_v, steps_v, guidance_v,
-                                    negative_v, max_tokens_v, temperature_v, modalities_v, preview_every_v)
+            request = build_request(
+                studio,
+                message_value,
+                history,
+                seed_v,
+                width_v,
+                height_v,
+                steps_v,
+                guidance_v,
+                negative_v,
+                max_tokens_v,
+                temperature_v,
+                modalities_v,
+                preview_every_v,
+            )
             resolved = studio.resolve(request)
         except RequestError as exc:
-            history += [{"role": "user", "content": user_content},
-                        {"role": "assistant", "content": f"⚠️ {exc.field}: {exc.message}"}]
+            history += [
+                {"role": "user", "content": user_content},
+                {"role": "assistant", "content": f"⚠️ {exc.field}: {exc.message}"},
+            ]
             yield history, None, render_progress({}), None, None, gr.skip(), f"**Error** — {exc}"
             return
         history += [{"role": "user", "content": user_content}, {"role": "assistant", "content": ""}]
         stages: dict[int, dict[str, Any]] = {}
         streamed = ""
         last_update = 0.0
-        yield history, None, render_progress(stages), None, resolved.request_id, gr.skip(), \
-            f"Running… seed {resolved.seed}"
-        async for rid, event in studio.run(resolved, {"source": "studio chat", "prompt": text,
-                                                       "parameters": resolved.parameters}):
+        yield (
+            history,
+            None,
+            render_progress(stages),
+            None,
+            resolved.request_id,
+            gr.skip(),
+            f"Running… seed {resolved.seed}",
+        )
+        async for rid, event in studio.run(
+            resolved, {"source": "studio chat", "prompt": text, "parameters": resolved.parameters}
+        ):
             if isinstance(event, StageStarted):
-                stages[event.stage_id] = {"kind": event.kind, "step": 0, "total": event.total, "status": "running"}
+                stages[event.stage_id] = {
+                    "kind": event.kind,
+                    "step": 0,
+                    "total": event.total,
+                    "status": "running",
+                }
                 yield gr.skip(), gr.skip(), render_progress(stages), gr.skip(), rid, gr.skip(), gr.skip()
             elif isinstance(event, (TokenProgress, DiffusionStep)):
                 stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
@@ -194,7 +274,15 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                 if has_preview or now - last_update >= UI_UPDATE_INTERVAL_S:
                     last_update = now
                     preview_update = event.preview if has_preview else gr.skip()
-                    yield gr.skip(), gr.skip(), render_progress(stages), preview_update, rid, gr.skip(), gr.skip()
+                    yield (
+                        gr.skip(),
+                        gr.skip(),
+                        render_progress(stages),
+                        preview_update,
+                        rid,
+                        gr.skip(),
+                        gr.skip(),
+                    )
             elif isinstance(event, TextDelta):
                 streamed += event.text
                 history[-1] = {"role": "assistant", "content": streamed}
@@ -219,18 +307,36 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                     content.append({"path": image_path, "alt_text": f"seed {event.outputs[0].seed}"})
                 history[-1] = {"role": "assistant", "content": content or "(no output)"}
                 seconds = sum(s.get("seconds") or 0 for s in stages.values())
-                yield history, gr.skip(), render_progress(stages), gr.skip(), None, image_path, \
-                    f"Done in {seconds:.2f} s · seed {resolved.seed} · run `{rid[:12]}`"
+                yield (
+                    history,
+                    gr.skip(),
+                    render_progress(stages),
+                    gr.skip(),
+                    None,
+                    image_path,
+                    f"Done in {seconds:.2f} s · seed {resolved.seed} · run `{rid[:12]}`",
+                )
             elif isinstance(event, RunFailed):
                 note = "⏹ Stopped." if event.cancelled else f"⚠️ {event.message}"
                 history[-1] = {"role": "assistant", "content": note}
                 yield history, gr.skip(), render_progress(stages), gr.skip(), None, gr.skip(), note
 
-    inputs = [message, chatbot, seed, width, height, steps, guidance, negative, max_tokens, temperature, modalities,
-              preview_every]
+    inputs = [
+        message,
+        chatbot,
+        seed,
+        width,
+        height,
+        steps,
+        guidance,
+        negative,
+        max_tokens,
+        temperature,
+        modalities,
+        preview_every,
+    ]
     outputs = [chatbot, message, progress, preview, run_id, last_image, status]
-    message.submit(send, inputs, outputs, api_name="chat", show_progress="hidden",
-                                concurrency_id="generate")
+    message.submit(send, inputs, outputs, api_name="chat", show_progress="hidden", concurrency_id="generate")
 
     def stop_run(current: str | None) -> str:
         # Cancelling the engine request (not the Gradio event) lets the run end on its own terms: the
@@ -246,8 +352,9 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         return {"text": text, "files": [path]}, "The last result is the source image of the next prompt."
 
     to_source.click(source_from_result, [last_image, message], [message, status], api_name="send_to_source")
-    clear.click(lambda: ([], render_progress({}), None), None, [chatbot, progress, preview],
-                api_visibility="private")
+    clear.click(
+        lambda: ([], render_progress({}), None), None, [chatbot, progress, preview], api_visibility="private"
+    )
 
     def change_model(name: str):
         if not name or name == studio.model.name:
@@ -261,13 +368,26 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         """The running pipeline's defaults (after Apply or a model switch): the next run uses them."""
         stage = next((s for s in studio.config.stages if s.kind == "diffusion"), None)
         params = stage.default_sampling_params if stage else {}
-        return (gr.update(value=params.get("width", 64)), gr.update(value=params.get("height", 64)),
-                gr.update(value=params.get("num_inference_steps", 4)),
-                gr.update(value=params.get("guidance_scale", 1.5)), gr.update(value=studio.model.name))
+        return (
+            gr.update(value=params.get("width", 64)),
+            gr.update(value=params.get("height", 64)),
+            gr.update(value=params.get("num_inference_steps", 4)),
+            gr.update(value=params.get("guidance_scale", 1.5)),
+            gr.update(value=studio.model.name),
+        )
 
     defaults_outputs = [width, height, steps, guidance, model]
     switch_event = model.input(change_model, [model], [status], api_name="switch_model").then(
-        sync_defaults, None, defaults_outputs, api_visibility="private")
-    return {"chatbot": chatbot, "message": message, "progress": progress, "preview": preview, "status": status,
-            "model": model, "sync_defaults": sync_defaults, "defaults_outputs": defaults_outputs,
-            "switch_event": switch_event}
+        sync_defaults, None, defaults_outputs, api_visibility="private"
+    )
+    return {
+        "chatbot": chatbot,
+        "message": message,
+        "progress": progress,
+        "preview": preview,
+        "status": status,
+        "model": model,
+        "sync_defaults": sync_defaults,
+        "defaults_outputs": defaults_outputs,
+        "switch_event": switch_event,
+    }

@@ -55,10 +55,18 @@ def run_filter(search, status, model, fingerprint, config_hash, since, until):
 def rows_of(runs: list[Any]) -> pd.DataFrame:
     return pd.DataFrame(
         [
-            [r.id[:12], r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.source, r.status, r.model,
-             (r.prompt[:60] + "…") if len(r.prompt) > 60 else r.prompt,
-             None if r.seconds is None else round(r.seconds, 2), r.seed, r.fingerprint or "",
-             (r.config_hash or "")[:8]]
+            [
+                r.id[:12],
+                r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                r.source,
+                r.status,
+                r.model,
+                (r.prompt[:60] + "…") if len(r.prompt) > 60 else r.prompt,
+                None if r.seconds is None else round(r.seconds, 2),
+                r.seed,
+                r.fingerprint or "",
+                (r.config_hash or "")[:8],
+            ]
             for r in runs
         ],
         columns=COLUMNS,
@@ -82,9 +90,14 @@ def timings_chart(detail: Any) -> str:
             f"<span class='omni-chart-bar {s.status}' style='width:{run:.1f}%'></span></span>"
             f"<span class='omni-chart-value'>{(s.seconds or 0):.3f} s"
             + (f" (+{s.queue_seconds:.3f} s queued)" if (s.queue_seconds or 0) >= 0.001 else "")
-            + (f" · {s.output_tokens} tokens" if s.output_tokens else "") + "</span></div>"
+            + (f" · {s.output_tokens} tokens" if s.output_tokens else "")
+            + "</span></div>"
         )
-    return "<div class='omni-chart'><div class='omni-chart-title'>Per-stage time</div>" + "".join(rows) + "</div>"
+    return (
+        "<div class='omni-chart'><div class='omni-chart-title'>Per-stage time</div>"
+        + "".join(rows)
+        + "</div>"
+    )
 
 
 def detail_markdown(detail: Any) -> str:
@@ -121,8 +134,14 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         find = gr.Button("Search", variant="primary", scale=1, elem_id="omni-h-find")
     count = gr.Markdown("")
     table = gr.Dataframe(rows_of([]), interactive=False, wrap=True, max_height=320, elem_id="omni-h-table")
-    gallery = gr.Gallery(label="Images of these runs", columns=10, height=130, allow_preview=False, object_fit="contain",
-                         elem_id="omni-h-gallery")
+    gallery = gr.Gallery(
+        label="Images of these runs",
+        columns=10,
+        height=130,
+        allow_preview=False,
+        object_fit="contain",
+        elem_id="omni-h-gallery",
+    )
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             run_id = gr.Textbox(label="Run id (click a row)", elem_id="omni-h-run-id")
@@ -145,8 +164,12 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             run_a = gr.Textbox(label="Run A", elem_id="omni-h-run-a")
             run_b = gr.Textbox(label="Run B", elem_id="omni-h-run-b")
             compare = gr.Button("Compare", elem_id="omni-h-compare")
-            diff_table = gr.Dataframe(pd.DataFrame(columns=["part", "key", "A", "B"]), interactive=False, wrap=True,
-                                      elem_id="omni-h-diff")
+            diff_table = gr.Dataframe(
+                pd.DataFrame(columns=["part", "key", "A", "B"]),
+                interactive=False,
+                wrap=True,
+                elem_id="omni-h-diff",
+            )
             with gr.Row():
                 image_a = gr.Image(label="A", type="filepath", interactive=False, height=160)
                 image_b = gr.Image(label="B", type="filepath", interactive=False, height=160)
@@ -167,10 +190,17 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         for r in runs:
             if r.thumbnail_sha256:
                 with contextlib.suppress(FileNotFoundError):  # a file removed by retention meanwhile
-                    images.append((str(store.output_file(r.thumbnail_sha256)), f"{r.id[:8]} · {r.prompt[:30]}"))
+                    images.append(
+                        (str(store.output_file(r.thumbnail_sha256)), f"{r.id[:8]} · {r.prompt[:30]}")
+                    )
         models = sorted({"any", studio.serving.served_model_name, *(r.model for r in runs)})
-        return (rows_of(runs), images, f"{total} run(s) match; showing {len(runs)}.", [r.id for r in runs],
-                gr.update(choices=models))
+        return (
+            rows_of(runs),
+            images,
+            f"{total} run(s) match; showing {len(runs)}.",
+            [r.id for r in runs],
+            gr.update(choices=models),
+        )
 
     search_outputs = [table, gallery, count, ids_state, model]
     find.click(do_search, filters, search_outputs, api_name="history_search")
@@ -186,8 +216,15 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         except LookupError as exc:
             return [str(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
         images = [(str(o.path), f"{o.kind} {o.index}") for o in d.outputs if o.mime.startswith("image/")]
-        return (detail_markdown(d), timings_chart(d), images, d.request, d.parameters,
-                yaml.safe_dump(d.config or {}, sort_keys=False), full)
+        return (
+            detail_markdown(d),
+            timings_chart(d),
+            images,
+            d.request,
+            d.parameters,
+            yaml.safe_dump(d.config or {}, sort_keys=False),
+            full,
+        )
 
     detail_outputs = [detail, timings, outputs, request_json, parameters_json, config_yaml, run_id]
     run_id.submit(show, [run_id], detail_outputs, api_name="run_detail")
@@ -197,7 +234,8 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         return ids[row] if 0 <= row < len(ids) else gr.skip()
 
     table.select(on_select, [ids_state], [run_id], api_visibility="private").then(
-        show, [run_id], detail_outputs, api_visibility="private")
+        show, [run_id], detail_outputs, api_visibility="private"
+    )
 
     async def do_rerun(run_id_v: str):
         run_id_v = (run_id_v or "").strip()
@@ -222,7 +260,11 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
                     path = str(target)
                 old_hashes = [o.sha256 for o in original.images]
                 if old_hashes:
-                    same = "identical bytes ✓" if new_hashes == old_hashes else "different bytes ✗ (config changed?)"
+                    same = (
+                        "identical bytes ✓"
+                        if new_hashes == old_hashes
+                        else "different bytes ✗ (config changed?)"
+                    )
                 else:
                     same = "the original had no image to compare"
                 yield f"Re-run `{rid[:12]}` finished: {same}.", path
@@ -240,8 +282,11 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         except LookupError as exc:
             raise gr.Error(str(exc)) from None
         diff = store.diff_runs(full_a, full_b)
-        rows = [[part, key, json.dumps(va, default=str), json.dumps(vb, default=str)]
-                for part, entries in diff.items() for key, (va, vb) in entries.items()]
+        rows = [
+            [part, key, json.dumps(va, default=str), json.dumps(vb, default=str)]
+            for part, entries in diff.items()
+            for key, (va, vb) in entries.items()
+        ]
         frame = pd.DataFrame(rows or [["—", "no differences", "", ""]], columns=["part", "key", "A", "B"])
 
         def first_image(run: str) -> str | None:
@@ -270,10 +315,14 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         if not path:
             return gr.skip(), *[gr.skip()] * len(search_outputs)
         result = store.import_bundle(path)
-        return (f"Imported {result.imported} run(s); {result.skipped} already present.", *do_search(*filter_values))
+        return (
+            f"Imported {result.imported} run(s); {result.skipped} already present.",
+            *do_search(*filter_values),
+        )
 
-    import_file.upload(do_import, [import_file, *filters], [import_status, *search_outputs],
-                       api_name="import_history")
+    import_file.upload(
+        do_import, [import_file, *filters], [import_status, *search_outputs], api_name="import_history"
+    )
 
     def refresh():
         return do_search("", "any", "any", "", "", "", "")

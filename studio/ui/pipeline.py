@@ -22,16 +22,22 @@ DIFFUSION_FIELDS = ("num_inference_steps", "guidance_scale", "height", "width")
 def output_choices(kind: str) -> list[str]:
     """Every canonical spelling a stage of ``kind`` may declare (single names and ``+`` pairs)."""
     names = [m.value for m in PRODUCIBLE_BY_KIND[kind]]
-    pairs = [format_output_modalities((a, b)) for a in PRODUCIBLE_BY_KIND[kind] for b in PRODUCIBLE_BY_KIND[kind]
-             if a != b]
+    pairs = [
+        format_output_modalities((a, b))
+        for a in PRODUCIBLE_BY_KIND[kind]
+        for b in PRODUCIBLE_BY_KIND[kind]
+        if a != b
+    ]
     return names + pairs
 
 
 def field_help(kind: str, name: str) -> str:
     model = ARSamplingParams if kind == "ar" else DiffusionSamplingParams
     info = model.model_fields[name]
-    bounds = [f"{m.__class__.__name__.lower()} {getattr(m, m.__class__.__name__.lower(), '')}"
-              for m in info.metadata]
+    bounds = [
+        f"{m.__class__.__name__.lower()} {getattr(m, m.__class__.__name__.lower(), '')}"
+        for m in info.metadata
+    ]
     return f"{name} ({', '.join(bounds)})" if bounds else name
 
 
@@ -53,13 +59,18 @@ def overlay_raw_values(text: str, rows: list[dict[str, Any]]) -> None:
             if key in entry:
                 row["engine_args"][key] = entry[key]
         if isinstance(entry.get("default_sampling_params"), dict):
-            row["default_sampling_params"] = {**row["default_sampling_params"], **entry["default_sampling_params"]}
+            row["default_sampling_params"] = {
+                **row["default_sampling_params"],
+                **entry["default_sampling_params"],
+            }
 
 
 def render_problems(problems: list[Any]) -> str:
     if not problems:
         return ""
-    items = "".join(f"<li><code>{html.escape(p.key or '-')}</code>: {html.escape(p.message)}</li>" for p in problems)
+    items = "".join(
+        f"<li><code>{html.escape(p.key or '-')}</code>: {html.escape(p.message)}</li>" for p in problems
+    )
     return f"<div class='omni-errors'><ul>{items}</ul></div>"
 
 
@@ -70,14 +81,26 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                 preset = gr.Dropdown(studio.preset_names(), label="Preset", value=None, scale=3)
                 load_preset = gr.Button("Load preset", scale=1)
                 reset = gr.Button("Reset to running", scale=1)
-            editor = gr.Code(studio.deploy_text, language="yaml", label="Deploy config (YAML)", lines=22,
-                             interactive=True, elem_id="omni-deploy-yaml")
+            editor = gr.Code(
+                studio.deploy_text,
+                language="yaml",
+                label="Deploy config (YAML)",
+                lines=22,
+                interactive=True,
+                elem_id="omni-deploy-yaml",
+            )
             with gr.Row():
                 validate = gr.Button("Validate", elem_id="omni-validate")
                 apply = gr.Button("Apply", variant="primary", elem_id="omni-apply")
             result = gr.HTML("", elem_id="omni-pipeline-result")
-            diff = gr.Code("(no changes)", language=None, label="Diff against the running config",
-                           interactive=False, lines=8, elem_id="omni-deploy-diff")
+            diff = gr.Code(
+                "(no changes)",
+                language=None,
+                label="Diff against the running config",
+                interactive=False,
+                lines=8,
+                elem_id="omni-deploy-diff",
+            )
         with gr.Column(scale=2):
             gr.Markdown("### Stages\nEdit a field, then **Form → YAML** to write it into the config.")
             stage_boxes = []
@@ -85,8 +108,12 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                 with gr.Group(visible=False) as group:
                     header = gr.Markdown()
                     with gr.Row():
-                        output_type = gr.Dropdown([], label="engine_output_type", allow_custom_value=True,
-                                                  elem_id=f"omni-stage{index}-output")
+                        output_type = gr.Dropdown(
+                            [],
+                            label="engine_output_type",
+                            allow_custom_value=True,
+                            elem_id=f"omni-stage{index}-output",
+                        )
                         backend = gr.Dropdown(["auto", "vllm", "transformers"], label="backend (ar)")
                     with gr.Row():
                         max_num_seqs = gr.Number(label="max_num_seqs (1-1024)", precision=0)
@@ -96,9 +123,18 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                         with gr.Row():
                             sampling += [gr.Number(label=name) for name in pair]
                     errors = gr.HTML("", elem_id=f"omni-stage{index}-errors")
-                stage_boxes.append({"group": group, "header": header, "output_type": output_type,
-                                    "backend": backend, "max_num_seqs": max_num_seqs, "devices": devices,
-                                    "sampling": sampling, "errors": errors})
+                stage_boxes.append(
+                    {
+                        "group": group,
+                        "header": header,
+                        "output_type": output_type,
+                        "backend": backend,
+                        "max_num_seqs": max_num_seqs,
+                        "devices": devices,
+                        "sampling": sampling,
+                        "errors": errors,
+                    }
+                )
             form_to_yaml = gr.Button("Form → YAML", elem_id="omni-form-to-yaml")
 
     def stage_rows(text: str) -> list[dict[str, Any]]:
@@ -125,8 +161,9 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             sampling = row["default_sampling_params"]
             updates += [
                 gr.update(visible=True),
-                f"**stage {row['stage_id']}** · {kind}" + (f" · {row['input_processor']}" if row["input_processor"]
-                                                           else "") + (" · final" if row["final_output"] else ""),
+                f"**stage {row['stage_id']}** · {kind}"
+                + (f" · {row['input_processor']}" if row["input_processor"] else "")
+                + (" · final" if row["final_output"] else ""),
                 gr.update(choices=output_choices(kind), value=row["engine_output_type"]),
                 gr.update(value=row["backend"], interactive=kind == "ar"),
                 row["engine_args"].get("max_num_seqs"),
@@ -138,18 +175,28 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
 
     form_outputs: list[Any] = []
     for box in stage_boxes:
-        form_outputs += [box["group"], box["header"], box["output_type"], box["backend"], box["max_num_seqs"],
-                         box["devices"], *box["sampling"], box["errors"]]
+        form_outputs += [
+            box["group"],
+            box["header"],
+            box["output_type"],
+            box["backend"],
+            box["max_num_seqs"],
+            box["devices"],
+            *box["sampling"],
+            box["errors"],
+        ]
 
     def report_html(report: ValidationReport, applied: bool = False) -> str:
         if report.ok:
             verb = "Applied: the engine was rebuilt." if applied else "Valid."
-            return (f"<div class='omni-ok'><b>{verb}</b><pre>{html.escape(report.summary)}</pre></div>")
+            return f"<div class='omni-ok'><b>{verb}</b><pre>{html.escape(report.summary)}</pre></div>"
         general = [p for p in report.problems if p.stage is None]
         head = "Not applied — the running engine keeps serving." if applied else "Invalid."
         count = len(report.problems)
-        return (f"<div class='omni-invalid'><b>{head}</b> {count} problem(s); each stage's problems are shown "
-                f"beside its form.{render_problems(general)}</div>")
+        return (
+            f"<div class='omni-invalid'><b>{head}</b> {count} problem(s); each stage's problems are shown "
+            f"beside its form.{render_problems(general)}</div>"
+        )
 
     def on_validate(text: str):
         report = studio.validate_text(text)
@@ -160,8 +207,9 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
         return [report_html(report, applied=True), studio.diff_text(text), *form_updates(text, report)]
 
     validate.click(on_validate, [editor], [result, diff, *form_outputs], api_name="validate_config")
-    apply_event = apply.click(on_apply, [editor], [result, diff, *form_outputs], api_name="apply_config",
-                              concurrency_id="generate")
+    apply_event = apply.click(
+        on_apply, [editor], [result, diff, *form_outputs], api_name="apply_config", concurrency_id="generate"
+    )
 
     def on_preset(name: str | None):
         if not name:
@@ -171,20 +219,32 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
 
     load_preset.click(on_preset, [preset], [editor, diff], api_name="load_preset")
     reset.click(lambda: (studio.deploy_text, "(no changes)"), None, [editor, diff], api_visibility="private")
-    editor.change(lambda text: studio.diff_text(text), [editor], [diff], api_visibility="private",
-                  show_progress="hidden")
+    editor.change(
+        lambda text: studio.diff_text(text),
+        [editor],
+        [diff],
+        api_visibility="private",
+        show_progress="hidden",
+    )
 
     def on_form_to_yaml(text: str, *values: Any):
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            return gr.skip(), f"<div class='omni-invalid'>The YAML does not parse: {html.escape(str(exc))}</div>"
+            return (
+                gr.skip(),
+                f"<div class='omni-invalid'>The YAML does not parse: {html.escape(str(exc))}</div>",
+            )
         rows = stage_rows(text)
         per_box = 4 + len(DIFFUSION_FIELDS)
         stages = data.setdefault("stages", [])
         for index, row in enumerate(rows):
-            output_type, backend, max_num_seqs, devices, *sampling = values[index * per_box:(index + 1) * per_box]
-            entry = next((s for s in stages if isinstance(s, dict) and s.get("stage_id") == row["stage_id"]), None)
+            output_type, backend, max_num_seqs, devices, *sampling = values[
+                index * per_box : (index + 1) * per_box
+            ]
+            entry = next(
+                (s for s in stages if isinstance(s, dict) and s.get("stage_id") == row["stage_id"]), None
+            )
             if entry is None:
                 entry = {"stage_id": row["stage_id"]}
                 stages.append(entry)
@@ -215,11 +275,21 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
 
     form_inputs: list[Any] = []
     for box in stage_boxes:
-        form_inputs += [box["output_type"], box["backend"], box["max_num_seqs"], box["devices"], *box["sampling"]]
+        form_inputs += [
+            box["output_type"],
+            box["backend"],
+            box["max_num_seqs"],
+            box["devices"],
+            *box["sampling"],
+        ]
     form_to_yaml.click(on_form_to_yaml, [editor, *form_inputs], [editor, result], api_name="form_to_yaml")
 
     def refresh():
         return [studio.deploy_text, "(no changes)", *form_updates(studio.deploy_text)]
 
-    return {"editor": editor, "refresh": refresh, "refresh_outputs": [editor, diff, *form_outputs],
-            "apply_event": apply_event}
+    return {
+        "editor": editor,
+        "refresh": refresh,
+        "refresh_outputs": [editor, diff, *form_outputs],
+        "apply_event": apply_event,
+    }

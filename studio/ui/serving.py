@@ -14,8 +14,11 @@ from studio.controller import Studio
 
 def fingerprint_line(studio: Studio) -> str:
     value = studio.system_fingerprint
-    shown = f"<code id='omni-current-fingerprint'>{html.escape(value)}</code>" if value else \
-        "<code id='omni-current-fingerprint'>none</code>"
+    shown = (
+        f"<code id='omni-current-fingerprint'>{html.escape(value)}</code>"
+        if value
+        else "<code id='omni-current-fingerprint'>none</code>"
+    )
     mode = studio.serving.options.fingerprint.mode
     return f"Responses now carry system_fingerprint {shown} (mode <b>{mode}</b>)."
 
@@ -24,13 +27,17 @@ def share_markdown(studio: Studio) -> str:
     share = studio.share
     lines = [f"**Local:** {studio.base_url or '(starting)'} — API at `{studio.base_url.rstrip('/')}/v1`"]
     if not share.requested:
-        lines.append("**Share link:** off (start with `--share` to get a public link for the UI and the API).")
+        lines.append(
+            "**Share link:** off (start with `--share` to get a public link for the UI and the API)."
+        )
     else:
         lines.append(f"**Share link:** {share.url or 'not available'} {share.message}")
         if share.username:
             lines.append(f"**UI login:** `{share.username}` / `{share.password}`")
         if share.api_key_generated:
-            lines.append("**API key** was generated because the API must not be public without one (shown below).")
+            lines.append(
+                "**API key** was generated because the API must not be public without one (shown below)."
+            )
     return "\n\n".join(lines)
 
 
@@ -39,15 +46,24 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
     with gr.Row(equal_height=False):
         with gr.Column():
             gr.Markdown("### Fingerprint")
-            mode = gr.Radio(list(FINGERPRINT_MODES), value=current.mode, label="--fingerprint-mode",
-                            elem_id="omni-fp-mode")
-            value = gr.Textbox(current.value or "", label="--fingerprint-value (custom mode only)",
-                               elem_id="omni-fp-value")
+            mode = gr.Radio(
+                list(FINGERPRINT_MODES),
+                value=current.mode,
+                label="--fingerprint-mode",
+                elem_id="omni-fp-mode",
+            )
+            value = gr.Textbox(
+                current.value or "", label="--fingerprint-value (custom mode only)", elem_id="omni-fp-value"
+            )
             apply = gr.Button("Apply fingerprint", variant="primary", elem_id="omni-fp-apply")
             fingerprint = gr.HTML(fingerprint_line(studio), elem_id="omni-fp-status")
             gr.Markdown("### API key")
-            key = gr.Textbox(studio.api_key or "", type="password", label="Bearer key required on /v1/* "
-                             "(empty: open)", elem_id="omni-api-key")
+            key = gr.Textbox(
+                studio.api_key or "",
+                type="password",
+                label="Bearer key required on /v1/* (empty: open)",
+                elem_id="omni-api-key",
+            )
             set_key = gr.Button("Set API key")
             key_status = gr.Markdown("")
         with gr.Column():
@@ -55,7 +71,9 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
             share = gr.Markdown(share_markdown(studio), elem_id="omni-share")
             curl_snippet, python_snippet = studio.snippets()
             curl = gr.Code(curl_snippet, language="shell", label="curl", interactive=False)
-            python = gr.Code(python_snippet, language="python", label="Python (openai SDK)", interactive=False)
+            python = gr.Code(
+                python_snippet, language="python", label="Python (openai SDK)", interactive=False
+            )
 
     def on_apply(mode_v: str, value_v: str):
         try:
@@ -69,8 +87,15 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
     def on_key(key_v: str):
         studio.set_api_key(key_v.strip() or None)
         curl_v, python_v = studio.snippets()
-        return ("API key set: `/v1/*` now needs `Authorization: Bearer …`." if key_v.strip()
-                else "No API key: `/v1/*` is open."), curl_v, python_v
+        return (
+            (
+                "API key set: `/v1/*` now needs `Authorization: Bearer …`."
+                if key_v.strip()
+                else "No API key: `/v1/*` is open."
+            ),
+            curl_v,
+            python_v,
+        )
 
     set_key.click(on_key, [key], [key_status, curl, python], api_name="set_api_key")
 

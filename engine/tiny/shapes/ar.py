@@ -60,7 +60,9 @@ class FactorisedCodes(nn.Module):
         self.register_buffer("mask_idx", codes % MASKS, persistent=False)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        factored = self.colour[self.colour_idx] + self.background[self.background_idx] + self.mask[self.mask_idx]
+        factored = (
+            self.colour[self.colour_idx] + self.background[self.background_idx] + self.mask[self.mask_idx]
+        )
         return torch.cat([weight[:TARGET_CODES] * 0.1 + factored, weight[TARGET_CODES:]], dim=0)
 
 
@@ -85,7 +87,11 @@ def prompt_ids(processor: GlmImageProcessor, caption: str) -> list[int]:
     """The pipeline's prompt for a 128x128 T2I request (what ``GlmImageARStage.prepare`` builds)."""
     inputs = processor.apply_chat_template(
         [[{"role": "user", "content": [{"type": "text", "text": caption}]}]],
-        tokenize=True, target_h=128, target_w=128, return_dict=True, return_tensors="pt",
+        tokenize=True,
+        target_h=128,
+        target_w=128,
+        return_dict=True,
+        return_tensors="pt",
     )
     return inputs["input_ids"][0].tolist()
 
@@ -94,8 +100,13 @@ def make_examples(processor: GlmImageProcessor, scenes: Sequence[Scene]) -> list
     out = []
     for scene in scenes:
         codes = quantise(render(scene))
-        out.append(ARExample(prompt_ids(processor, scene.caption), torch.from_numpy(codes.preview.reshape(-1)),
-                             torch.from_numpy(codes.target.reshape(-1))))
+        out.append(
+            ARExample(
+                prompt_ids(processor, scene.caption),
+                torch.from_numpy(codes.preview.reshape(-1)),
+                torch.from_numpy(codes.target.reshape(-1)),
+            )
+        )
     return out
 
 
@@ -148,8 +159,9 @@ class ARBatch:
     weights: torch.Tensor
 
 
-def make_batch(examples: Sequence[ARExample], shown: Sequence[torch.Tensor] | None = None,
-               target_weight: float = 4.0) -> ARBatch:
+def make_batch(
+    examples: Sequence[ARExample], shown: Sequence[torch.Tensor] | None = None, target_weight: float = 4.0
+) -> ARBatch:
     """Left-padded batch. ``shown`` (optional, (272,) each) replaces the true preview + target in the
     inputs only; the labels are always the true codes."""
     seqs, poss, labs, wts = [], [], [], []
@@ -188,7 +200,9 @@ def make_batch(examples: Sequence[ARExample], shown: Sequence[torch.Tensor] | No
 
 
 def _logits(model: GlmImageForConditionalGeneration, batch: ARBatch) -> torch.Tensor:
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    out = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+    )
     return out.logits.float()
 
 
@@ -204,8 +218,12 @@ def batch_loss(model: GlmImageForConditionalGeneration, batch: ARBatch) -> tuple
 
 
 @torch.no_grad()
-def parallel_decode(model: GlmImageForConditionalGeneration, examples: Sequence[ARExample],
-                    start: Sequence[torch.Tensor] | None = None, iterations: int | None = None) -> torch.Tensor:
+def parallel_decode(
+    model: GlmImageForConditionalGeneration,
+    examples: Sequence[ARExample],
+    start: Sequence[torch.Tensor] | None = None,
+    iterations: int | None = None,
+) -> torch.Tensor:
     """Greedy decoding by fixed-point (Jacobi) iteration: (N, 273) generated ids.
 
     Each pass re-predicts every grid token from the previous pass's tokens in one parallel forward. Run
@@ -242,10 +260,12 @@ def probe_scores(model: GlmImageForConditionalGeneration, examples: Sequence[ARE
     truth_p = torch.stack([e.preview for e in examples])
     truth_t = torch.stack([e.target for e in examples])
     target = gen[:, n_prev : n_prev + TARGET_SIDE**2]
-    return {"preview": (gen[:, :n_prev] == truth_p).all(1).float().mean().item(),
-            "target": (target == truth_t).all(1).float().mean().item(),
-            "target_cells": (target == truth_t).float().mean().item(),
-            "ends": (gen[:, -1] == IMAGE_END_ID).float().mean().item()}
+    return {
+        "preview": (gen[:, :n_prev] == truth_p).all(1).float().mean().item(),
+        "target": (target == truth_t).all(1).float().mean().item(),
+        "target_cells": (target == truth_t).float().mean().item(),
+        "ends": (gen[:, -1] == IMAGE_END_ID).float().mean().item(),
+    }
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 200) -> float:
@@ -297,7 +317,9 @@ def train_ar(
         shown = [torch.cat([ex.preview, ex.target]) for ex in batch_ex]
         own = [k for k in range(batch_size) if step >= own_from * steps and kinds[k] < 0.35]
         if own:
-            decoded = parallel_decode(model, [batch_ex[k] for k in own], [shown[k] for k in own], iterations=2)
+            decoded = parallel_decode(
+                model, [batch_ex[k] for k in own], [shown[k] for k in own], iterations=2
+            )
             for k, row in zip(own, decoded, strict=True):
                 shown[k] = torch.cat([row[:n_prev], batch_ex[k].target])
         for k, ex in enumerate(batch_ex):
@@ -311,8 +333,10 @@ def train_ar(
         optimiser_step(opt, loss, model.parameters())
         step += 1
         if step % 50 == 0:
-            log(f"[ar] step {step}/{steps} loss {loss.item():.4f} tf-acc {correct.float().mean().item():.4f} "
-                f"{(time.time() - t0) / 60:.1f} min")
+            log(
+                f"[ar] step {step}/{steps} loss {loss.item():.4f} tf-acc {correct.float().mean().item():.4f} "
+                f"{(time.time() - t0) / 60:.1f} min"
+            )
         if step % eval_every == 0 or step == steps:
             for name, exs in eval_sets.items():
                 scores = " ".join(f"{k} {v:.3f}" for k, v in probe_scores(model, exs).items())

@@ -29,8 +29,14 @@ def upsampled_prior(target: torch.Tensor) -> torch.Tensor:
     return torch.stack([upsample_grid_ids(t.reshape(-1), TARGET_SIDE, TARGET_SIDE) for t in target])
 
 
-def dit_forward(dit: GlmImageTransformer2DModel, x: torch.Tensor, prior: torch.Tensor, drop: torch.Tensor,
-                sigma: torch.Tensor, glyph: torch.Tensor) -> torch.Tensor:
+def dit_forward(
+    dit: GlmImageTransformer2DModel,
+    x: torch.Tensor,
+    prior: torch.Tensor,
+    drop: torch.Tensor,
+    sigma: torch.Tensor,
+    glyph: torch.Tensor,
+) -> torch.Tensor:
     n = x.shape[0]
     return dit(
         hidden_states=x,
@@ -44,9 +50,20 @@ def dit_forward(dit: GlmImageTransformer2DModel, x: torch.Tensor, prior: torch.T
     )[0]
 
 
-def train_dit(dit: GlmImageTransformer2DModel, latents: torch.Tensor, targets: torch.Tensor, glyph: torch.Tensor,
-              *, steps: int, ckpt: Path, batch_size: int = 32, lr: float = 1e-3, drop_prob: float = 0.1,
-              seed: int = 0, log: Callable[[str], None] = print) -> GlmImageTransformer2DModel:
+def train_dit(
+    dit: GlmImageTransformer2DModel,
+    latents: torch.Tensor,
+    targets: torch.Tensor,
+    glyph: torch.Tensor,
+    *,
+    steps: int,
+    ckpt: Path,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    drop_prob: float = 0.1,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> GlmImageTransformer2DModel:
     """``latents``: normalised (N, C, 16, 16); ``targets``: (N, 4, 4) ids; ``glyph``: (1, T, D) empty-prompt embeds."""
     factorise(dit.prior_token_embedding)
     prior_all = upsampled_prior(targets)

@@ -59,7 +59,10 @@ class Evaluation:
     def as_dict(self) -> dict[str, Any]:
         return {
             "seconds_per_image": round(self.seconds_per_image, 4),
-            **{name: {"n": s.total, **{k: round(s.accuracy(k), 4) for k in s.correct}} for name, s in self.splits.items()},
+            **{
+                name: {"n": s.total, **{k: round(s.accuracy(k), 4) for k in s.correct}}
+                for name, s in self.splits.items()
+            },
         }
 
 
@@ -74,19 +77,30 @@ def pick_scenes(held_out: int | None, training: int | None, seed: int = 0) -> li
     return held + train
 
 
-def evaluate_engine(engine: Any, scenes: Sequence[Scene], *, seed: int = 0, params: dict[str, Any] | None = None,
-                    progress: Callable[[int, int], None] | None = None) -> Evaluation:
+def evaluate_engine(
+    engine: Any,
+    scenes: Sequence[Scene],
+    *,
+    seed: int = 0,
+    params: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Evaluation:
     """Run every scene's caption through ``engine`` (seed ``seed + i``, extra request ``params``) and score
     the pictures."""
     from engine.request import GenerationParams, GenerationRequest
 
-    splits = {"held-out": SplitScore("held-out"), "training": SplitScore("training"), "all": SplitScore("all")}
+    splits = {
+        "held-out": SplitScore("held-out"),
+        "training": SplitScore("training"),
+        "all": SplitScore("all"),
+    }
     failures: list[tuple[str, Reading]] = []
     engine.run(GenerationRequest(scenes[0].caption, GenerationParams(seed=seed)))  # warm-up
     elapsed = 0.0
     for i, scene in enumerate(scenes):
-        request = GenerationRequest(scene.caption,
-                                    GenerationParams(seed=seed + i, height=128, width=128, **(params or {})))
+        request = GenerationRequest(
+            scene.caption, GenerationParams(seed=seed + i, height=128, width=128, **(params or {}))
+        )
         start = time.perf_counter()
         image = engine.run(request).images[0]
         elapsed += time.perf_counter() - start
@@ -100,19 +114,35 @@ def evaluate_engine(engine: Any, scenes: Sequence[Scene], *, seed: int = 0, para
     return Evaluation(splits, elapsed / max(1, len(scenes)), failures)
 
 
-def evaluate_model(model: str | Path = "tiny-glm-shapes", deploy: str | Path | None = DEPLOY_PATH,
-                   scenes: Sequence[Scene] | None = None, *, data_dir: Path | None = None, seed: int = 0,
-                   params: dict[str, Any] | None = None, ar_backend: str | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> Evaluation:
+def evaluate_model(
+    model: str | Path = "tiny-glm-shapes",
+    deploy: str | Path | None = DEPLOY_PATH,
+    scenes: Sequence[Scene] | None = None,
+    *,
+    data_dir: Path | None = None,
+    seed: int = 0,
+    params: dict[str, Any] | None = None,
+    ar_backend: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Evaluation:
     """Build an engine for ``model`` (a built-in name or a checkpoint folder) and evaluate it."""
     import tempfile
 
     from engine.engine import build_engine
 
-    engine = build_engine(str(model), str(deploy) if deploy else None, ar_backend=ar_backend,
-                          data_dir=data_dir or Path(tempfile.mkdtemp(prefix="shapes-eval-")))
+    engine = build_engine(
+        str(model),
+        str(deploy) if deploy else None,
+        ar_backend=ar_backend,
+        data_dir=data_dir or Path(tempfile.mkdtemp(prefix="shapes-eval-")),
+    )
     try:
-        return evaluate_engine(engine, list(scenes) if scenes is not None else all_scenes(), seed=seed,
-                               params=params, progress=progress)
+        return evaluate_engine(
+            engine,
+            list(scenes) if scenes is not None else all_scenes(),
+            seed=seed,
+            params=params,
+            progress=progress,
+        )
     finally:
         engine.close()

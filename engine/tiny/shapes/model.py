@@ -30,7 +30,9 @@ from engine.tiny.tokenizers import byte_fallback_tokenizer
 RECIPE_PATH = Path(__file__).with_name("recipe.yaml")
 IMAGE_START_ID, IMAGE_END_ID = VISION_CODES, VISION_CODES + 1
 LM_HEAD_ROWS = VISION_CODES + 2  # image start/end inside the head: the model itself ends the grid
-WORDS = sorted({"a", "on", "background", *COLOUR_NAMES, *SHAPES, *(w for p in POSITION_NAMES for w in p.split())})
+WORDS = sorted(
+    {"a", "on", "background", *COLOUR_NAMES, *SHAPES, *(w for p in POSITION_NAMES for w in p.split())}
+)
 
 
 def load_recipe(path: Path = RECIPE_PATH) -> dict[str, Any]:

@@ -16,8 +16,12 @@ import torch
 Rng = torch.Generator | np.random.Generator
 
 
-def optimiser_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params: Iterable[torch.nn.Parameter],
-                   max_norm: float = 1.0) -> None:
+def optimiser_step(
+    opt: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float = 1.0,
+) -> None:
     """Backpropagate ``loss``, clip the gradient norm of ``params`` to ``max_norm``, step."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -36,8 +40,12 @@ def _set_rng_state(rng: Rng, state: Any) -> None:
         rng.bit_generator.state = state
 
 
-def save_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, rng: Rng, step: int) -> None:
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": _rng_state(rng), "step": step}, ckpt)
+def save_checkpoint(
+    ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, rng: Rng, step: int
+) -> None:
+    torch.save(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "rng": _rng_state(rng), "step": step}, ckpt
+    )
 
 
 def resume(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, rng: Rng) -> int:

@@ -35,8 +35,17 @@ def to_tensor(images: Sequence[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def train_autoencoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int, ckpt: Path, batch_size: int = 8,
-                      lr: float = 2e-3, kl_weight: float = 1e-6, log: Callable[[str], None] = print) -> None:
+def train_autoencoder(
+    vae: AutoencoderKL,
+    scenes: Sequence[Scene],
+    *,
+    steps: int,
+    ckpt: Path,
+    batch_size: int = 8,
+    lr: float = 2e-3,
+    kl_weight: float = 1e-6,
+    log: Callable[[str], None] = print,
+) -> None:
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     rng = np.random.default_rng(0)
     step = resume(ckpt, vae, opt, rng)
@@ -55,7 +64,9 @@ def train_autoencoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int
         optimiser_step(opt, loss, vae.parameters())
         step += 1
         if step % 50 == 0:
-            log(f"[vae] step {step}/{steps} rec {rec.item():.4f} kl {kl.item():.1f} {(time.time() - t0) / 60:.1f} min")
+            log(
+                f"[vae] step {step}/{steps} rec {rec.item():.4f} kl {kl.item():.1f} {(time.time() - t0) / 60:.1f} min"
+            )
         if step % 250 == 0 or step == steps:
             save_checkpoint(ckpt, vae, opt, rng, step)
 
@@ -75,14 +86,17 @@ def set_latent_stats(vae: AutoencoderKL, latents: torch.Tensor) -> None:
     """Per-channel mean/std into the config: the pipeline decodes ``latents * std + mean``."""
     mean = latents.mean(dim=(0, 2, 3))
     std = latents.std(dim=(0, 2, 3))
-    vae.register_to_config(latents_mean=[round(float(v), 6) for v in mean],
-                           latents_std=[round(float(v), 6) for v in std])
+    vae.register_to_config(
+        latents_mean=[round(float(v), 6) for v in mean], latents_std=[round(float(v), 6) for v in std]
+    )
 
 
 def _latent_stats(vae: AutoencoderKL) -> tuple[torch.Tensor, torch.Tensor]:
     """The config's per-channel mean and std, shaped (1, C, 1, 1)."""
-    return (torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1),
-            torch.tensor(vae.config.latents_std).view(1, -1, 1, 1))
+    return (
+        torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1),
+        torch.tensor(vae.config.latents_std).view(1, -1, 1, 1),
+    )
 
 
 def normalise(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
@@ -95,8 +109,17 @@ def denormalise(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
     return latents * std + mean
 
 
-def finetune_decoder(vae: AutoencoderKL, scenes: Sequence[Scene], *, steps: int, ckpt: Path, batch_size: int = 8,
-                     lr: float = 5e-4, latent_noise: float = 0.1, log: Callable[[str], None] = print) -> None:
+def finetune_decoder(
+    vae: AutoencoderKL,
+    scenes: Sequence[Scene],
+    *,
+    steps: int,
+    ckpt: Path,
+    batch_size: int = 8,
+    lr: float = 5e-4,
+    latent_noise: float = 0.1,
+    log: Callable[[str], None] = print,
+) -> None:
     """Decoder (and post-quant conv) only; the encoder, and so the latent space the DiT learns, stay fixed."""
     vae.encoder.requires_grad_(False)
     if vae.quant_conv is not None:

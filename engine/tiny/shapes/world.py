@@ -80,7 +80,9 @@ def all_scenes() -> list[Scene]:
     """The 450 combinations in a fixed order."""
     return [
         Scene(shape, colour, background, position)
-        for shape, colour, background, position in itertools.product(SHAPES, COLOUR_NAMES, COLOUR_NAMES, POSITION_NAMES)
+        for shape, colour, background, position in itertools.product(
+            SHAPES, COLOUR_NAMES, COLOUR_NAMES, POSITION_NAMES
+        )
         if colour != background
     ]
 
@@ -103,7 +105,9 @@ def parse_caption(caption: str) -> Scene | None:
     return _scenes_by_caption().get(caption.strip())
 
 
-def shape_mask(shape: str, centre: tuple[float, float], size: int = SIZE, shape_size: float = SHAPE_SIZE) -> np.ndarray:
+def shape_mask(
+    shape: str, centre: tuple[float, float], size: int = SIZE, shape_size: float = SHAPE_SIZE
+) -> np.ndarray:
     """Boolean (size, size) mask of ``shape`` whose bounding box is centred at ``centre`` (x, y)."""
     ys, xs = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5  # pixel centres
     cx, cy = centre
@@ -119,12 +123,16 @@ def shape_mask(shape: str, centre: tuple[float, float], size: int = SIZE, shape_
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def render(scene: Scene, offset: tuple[float, float] = (0.0, 0.0), shape_size: float = SHAPE_SIZE) -> np.ndarray:
+def render(
+    scene: Scene, offset: tuple[float, float] = (0.0, 0.0), shape_size: float = SHAPE_SIZE
+) -> np.ndarray:
     """The scene as a (128, 128, 3) uint8 RGB array (``offset``/``shape_size``: a jittered variant)."""
     cx, cy = POSITIONS[scene.position]
     image = np.empty((SIZE, SIZE, 3), dtype=np.uint8)
     image[:] = COLOURS[scene.background]
-    image[shape_mask(scene.shape, (cx + offset[0], cy + offset[1]), shape_size=shape_size)] = COLOURS[scene.colour]
+    image[shape_mask(scene.shape, (cx + offset[0], cy + offset[1]), shape_size=shape_size)] = COLOURS[
+        scene.colour
+    ]
     return image
 
 
@@ -164,7 +172,11 @@ def quantise(image: np.ndarray) -> Codes:
     fg = (idx != background).astype(np.float32)
     preview = np.where(_block_means(fg, SIZE // PREVIEW_SIDE) > 0.5, PREVIEW_SHAPE, PREVIEW_BACKGROUND)
     quarters = _block_means(fg, SIZE // TARGET_SIDE // 2) > 0.5  # (8, 8) bits
-    bits = quarters.reshape(TARGET_SIDE, 2, TARGET_SIDE, 2).transpose(0, 2, 1, 3).reshape(TARGET_SIDE, TARGET_SIDE, 4)
+    bits = (
+        quarters.reshape(TARGET_SIDE, 2, TARGET_SIDE, 2)
+        .transpose(0, 2, 1, 3)
+        .reshape(TARGET_SIDE, TARGET_SIDE, 4)
+    )
     masks = (bits * np.array([1, 2, 4, 8])).sum(-1)
     pair = COLOUR_PAIRS.index((colour, background))
     return Codes(preview=preview.astype(np.int64), target=(pair * MASKS + masks).astype(np.int64))
