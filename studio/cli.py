@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.config import DeployConfigError, PipelineConfig
+from engine.config import DeployConfigError
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
 from studio.runtime import StartupError, quiet_libraries, tune_interpreter
 
@@ -172,28 +172,6 @@ def load_image_source(source: str):
         raise CLIError(f"--image: not a readable image ({exc})") from exc
 
 
-def summarize_pipeline(config: PipelineConfig) -> str:
-    lines = [
-        f"model {config.model_name} ({config.family}), {len(config.stages)} stage(s), config hash {config.hash8}"
-    ]
-    for s in config.stages:
-        sources = ",".join(map(str, s.input_sources)) or "request"
-        parts = [
-            f"stage {s.stage_id}",
-            f"{s.kind:<9}",
-            f"inputs={sources}",
-            f"output={s.engine_output_type}" + (" (final)" if s.final_output else ""),
-        ]
-        if s.input_processor:
-            parts.append(f"processor={s.input_processor}")
-        if s.kind == "ar":
-            parts.append(f"backend={s.backend}")
-        parts.append(f"devices={s.engine_args.get('devices')}")
-        parts.append(f"max_num_seqs={s.engine_args.get('max_num_seqs')}")
-        lines.append("  " + "  ".join(parts))
-    return "\n".join(lines)
-
-
 def _model_arg(args: argparse.Namespace) -> str | None:
     return getattr(args, "model_arg", None) or args.model
 
@@ -220,7 +198,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(exc.render(), file=sys.stderr)
         return 1
     print(f"{args.file}: valid")
-    print(summarize_pipeline(config))
+    print(config.summary())
     return 0
 
 

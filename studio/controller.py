@@ -137,9 +137,7 @@ class Studio:
             return ValidationReport(False, exc.problems)
         if problems:
             return ValidationReport(False, problems, config)
-        from studio.cli import summarize_pipeline
-
-        return ValidationReport(True, [], config, summarize_pipeline(config))
+        return ValidationReport(True, [], config, config.summary())
 
     def diff_text(self, text: str) -> str:
         """Unified diff of ``text`` against the running deploy YAML."""
@@ -175,9 +173,7 @@ class Studio:
         except ApplyFailed as exc:
             return ValidationReport(False, [ConfigProblem(None, "model", f"{model} did not start: {exc}")])
         self.deploy_text = text
-        from studio.cli import summarize_pipeline
-
-        return ValidationReport(True, [], config, summarize_pipeline(config))
+        return ValidationReport(True, [], config, config.summary())
 
     def _swap(self, config: PipelineConfig, source: ModelSource) -> None:
         with self._apply_lock:

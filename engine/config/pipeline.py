@@ -140,6 +140,28 @@ class PipelineConfig:
     def hash8(self) -> str:
         return self.config_hash()[:8]
 
+    def summary(self) -> str:
+        """One line for the pipeline, one per stage (what ``validate`` prints and the Pipeline tab shows)."""
+        lines = [
+            f"model {self.model_name} ({self.family}), {len(self.stages)} stage(s), config hash {self.hash8}"
+        ]
+        for s in self.stages:
+            sources = ",".join(map(str, s.input_sources)) or "request"
+            parts = [
+                f"stage {s.stage_id}",
+                f"{s.kind:<9}",
+                f"inputs={sources}",
+                f"output={s.engine_output_type}" + (" (final)" if s.final_output else ""),
+            ]
+            if s.input_processor:
+                parts.append(f"processor={s.input_processor}")
+            if s.kind == "ar":
+                parts.append(f"backend={s.backend}")
+            parts.append(f"devices={s.engine_args.get('devices')}")
+            parts.append(f"max_num_seqs={s.engine_args.get('max_num_seqs')}")
+            lines.append("  " + "  ".join(parts))
+        return "\n".join(lines)
+
     @property
     def tensor_parallel_size(self) -> int:
         return max(int(s.engine_args.get("tensor_parallel_size") or 1) for s in self.stages)
