@@ -38,7 +38,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine import GenerationParams, GenerationRequest, build_engine
-    from studio.runtime import quiet_libraries, tune_interpreter
+    from engine.environment import quiet_libraries
+    from studio.runtime import tune_interpreter
 
     quiet_libraries()
     tune_interpreter()  # as in the server process, so both sides run alike

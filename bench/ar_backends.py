@@ -128,11 +128,11 @@ def main() -> int:
     import torch
 
     from engine.engine import build_pipeline_config, resolve_device
+    from engine.environment import quiet_libraries
     from engine.models import describe_model, materialize
     from engine.paths import default_data_dir, model_cache_dir
     from engine.pipelines.glm_image import GlmImageARStage
     from engine.stages.ar_vllm import VllmGlmImageARStage
-    from studio.runtime import quiet_libraries
 
     quiet_libraries()
     source = describe_model(args.model)

@@ -33,7 +33,7 @@ def main() -> None:
     from diffusers import GlmImagePipeline
 
     from engine import GenerationParams, GenerationRequest, build_engine
-    from studio.runtime import quiet_libraries
+    from engine.environment import quiet_libraries
 
     quiet_libraries()
     engine = build_engine(

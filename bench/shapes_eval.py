@@ -50,8 +50,8 @@ def main() -> int:
 
     import torch
 
+    from engine.environment import quiet_libraries
     from engine.tiny.shapes.evaluate import DEPLOY_PATH, evaluate_model, pick_scenes
-    from studio.runtime import quiet_libraries
 
     quiet_libraries()
     if args.threads:

@@ -45,10 +45,10 @@ def main() -> int:
     from PIL import Image, ImageDraw, ImageFont
 
     from engine import GenerationParams, GenerationRequest, build_engine
+    from engine.environment import quiet_libraries
     from engine.tiny.shapes.classify import classify
     from engine.tiny.shapes.evaluate import DEPLOY_PATH
     from engine.tiny.shapes.world import parse_caption
-    from studio.runtime import quiet_libraries
 
     quiet_libraries()
     engine = build_engine(

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import DeployConfigError
+from engine.environment import quiet_libraries
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
-from studio.runtime import StartupError, quiet_libraries, tune_interpreter
+from studio.runtime import StartupError, tune_interpreter
 
 FINGERPRINT_MODES = ("full", "hash", "custom", "none")
 AR_BACKENDS = ("auto", "vllm", "transformers")

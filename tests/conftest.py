@@ -23,7 +23,7 @@ SEED_DEPLOY = DATA_DIR / "seed_deploy.yaml"
 
 
 def _quiet() -> None:
-    from studio.runtime import quiet_libraries
+    from engine.environment import quiet_libraries
 
     quiet_libraries()
 

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    from studio.runtime import quiet_libraries
+    from engine.environment import quiet_libraries
 
     quiet_libraries()
     recipe = load_recipe(args.recipe) if args.recipe else load_recipe()
