@@ -55,8 +55,12 @@ if [ "$has_gpu" = 1 ]; then
   torch_src=()
 elif [ -d /opt/wheels ] && ls /opt/wheels/torch-2.13.0* >/dev/null 2>&1; then
   torch_src=(--find-links /opt/wheels)
+elif [ -n "${OMNI_TORCH_INDEX_URL:-}" ]; then
+  # An index that serves CPU builds of torch (set by whoever sets up the machine; see CONTRIBUTING.md).
+  torch_src=(--extra-index-url "$OMNI_TORCH_INDEX_URL")
 else
-  torch_src=(--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple)
+  log "no local CPU torch wheel in /opt/wheels and no OMNI_TORCH_INDEX_URL: torch comes from pip's configured index"
+  torch_src=()
 fi
 log "installing torch 2.13.0 ($([ "$has_gpu" = 1 ] && echo GPU || echo CPU) build)"
 "${pip[@]}" install "${torch_src[@]}" "torch==2.13.0"

@@ -4,6 +4,15 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 bash scripts/setup.sh test
+# The habits: lint, format and types (config in pyproject.toml; see CONTRIBUTING.md).
+# OMNI_STUDIO_SKIP_CHECKS=1 skips them for a quick local pytest run; CI always runs them.
+if [ -z "${OMNI_STUDIO_SKIP_CHECKS:-}" ]; then
+  echo "[test] ruff check, ruff format --check, mypy" >&2
+  .venv/bin/ruff check .
+  .venv/bin/ruff format --check .
+  .venv/bin/mypy
+fi
+
 export OMNI_STUDIO_TEST_MODEL_CACHE="${OMNI_STUDIO_TEST_MODEL_CACHE:-$root/.venv/omni-test-models}"
 
 # A throwaway PostgreSQL server for the run store's tests (the same tests run on SQLite and on it).
