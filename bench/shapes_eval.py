@@ -51,7 +51,7 @@ def main() -> int:
     import torch
 
     from engine.environment import quiet_libraries
-    from engine.tiny.shapes.evaluate import DEPLOY_PATH, evaluate_model, pick_scenes
+    from tools.shapes.evaluate import DEPLOY_PATH, evaluate_model, pick_scenes
 
     quiet_libraries()
     if args.threads:

@@ -35,17 +35,21 @@ from engine.events import (
     STREAMING_EVENTS,
     TERMINAL_EVENTS,
     EngineEvent,
+    ErrorType,
+    FinishReason,
     RunFailed,
     RunFinished,
     RunOutput,
     StageFinished,
+    StageKind,
     StageStarted,
+    StageStatus,
 )
 from engine.modality import OutputAccumulator, OutputModality, parse_output_modalities
 from engine.models import ModelSource, describe_model, materialize
 from engine.paths import default_data_dir, model_cache_dir
 from engine.processors import INPUT_PROCESSORS
-from engine.request import GenerationRequest, ResolvedRequest
+from engine.request import GenerationRequest, RequestError, ResolvedRequest
 from engine.stages.base import StageCancelled, StageJob, StageRunner
 
 EventSink = Callable[[EngineEvent], None]
@@ -267,32 +271,35 @@ class _StageWorker:
                     cancelled = False
                     self.in_flight += 1
             if cancelled:
-                self.engine._job_done(ticket, "cancelled", None, time.time(), time.time(), 1)
+                self.engine._job_done(ticket, StageStatus.CANCELLED, None, time.time(), time.time(), 1)
                 continue
             started = time.time()
             self.engine._job_started(ticket, started)
 
             def done(
-                status: str, error: Exception | None, ticket: _Ticket = ticket, started: float = started
+                status: StageStatus,
+                error: Exception | None,
+                ticket: _Ticket = ticket,
+                started: float = started,
             ) -> None:
                 with self.cond:
                     batch_size = self.in_flight
                     self.in_flight -= 1
                     self.cond.notify_all()
-                if status == "succeeded" and ticket.job.cancelled:
-                    status = "cancelled"
+                if status == StageStatus.SUCCEEDED and ticket.job.cancelled:
+                    status = StageStatus.CANCELLED
                 self.engine._job_done(ticket, status, error, started, time.time(), batch_size)
 
             try:
                 self.runner.submit(ticket.job, done)
             except Exception as exc:
-                done("failed", exc)
+                done(StageStatus.FAILED, exc)
 
     def _run(self, batch: list[_Ticket]) -> None:
         live = []
         for ticket in batch:
             if ticket.job.cancelled:
-                self.engine._job_done(ticket, "cancelled", None, time.time(), time.time(), 1)
+                self.engine._job_done(ticket, StageStatus.CANCELLED, None, time.time(), time.time(), 1)
             else:
                 live.append(ticket)
         if not live:
@@ -300,16 +307,18 @@ class _StageWorker:
         started = time.time()
         for ticket in live:
             self.engine._job_started(ticket, started)
-        status, error = "succeeded", None
+        status, error = StageStatus.SUCCEEDED, None
         try:
             self.runner.run([t.job for t in live])
         except StageCancelled:
-            status = "cancelled"
+            status = StageStatus.CANCELLED
         except Exception as exc:  # a failing stage fails its requests, never the engine
-            status, error = "failed", exc
+            status, error = StageStatus.FAILED, exc
         finished = time.time()
         for ticket in live:
-            ticket_status = "cancelled" if status == "succeeded" and ticket.job.cancelled else status
+            ticket_status = (
+                StageStatus.CANCELLED if status == StageStatus.SUCCEEDED and ticket.job.cancelled else status
+            )
             self.engine._job_done(ticket, ticket_status, error, started, finished, len(live))
 
 
@@ -506,12 +515,14 @@ class OmniEngine:
             else int(job.params.get("num_inference_steps") or 0)
         )
         job.scratch["queue_seconds"] = started - ticket.enqueued_at
-        job.emit(StageStarted(job.request_id, job.index, stage.stage_id, kind=stage.kind, total=total))
+        job.emit(
+            StageStarted(job.request_id, job.index, stage.stage_id, kind=StageKind(stage.kind), total=total)
+        )
 
     def _job_done(
         self,
         ticket: _Ticket,
-        status: str,
+        status: StageStatus,
         error: Exception | None,
         started: float,
         finished: float,
@@ -523,8 +534,8 @@ class OmniEngine:
                 handle.request_id,
                 variant.index,
                 stage.stage_id,
-                kind=stage.kind,
-                status=status,
+                kind=StageKind(stage.kind),
+                status=StageStatus(status),
                 started_at=started,
                 finished_at=finished,
                 queue_seconds=float(job.scratch.get("queue_seconds", max(0.0, started - ticket.enqueued_at))),
@@ -536,7 +547,7 @@ class OmniEngine:
         with self._lock:
             if handle.terminal is not None:
                 return
-            if status == "cancelled":
+            if status == StageStatus.CANCELLED:
                 self._finish(
                     handle,
                     RunFailed(
@@ -544,18 +555,16 @@ class OmniEngine:
                         variant.index,
                         "the request was cancelled",
                         stage.stage_id,
-                        "cancelled",
+                        ErrorType.CANCELLED,
                         True,
                     ),
                 )
                 return
-            if status == "failed":
+            if status == StageStatus.FAILED:
                 handle.cancel()  # stop the request's other variants
                 message = f"stage {stage.stage_id} ({stage.kind}) failed: {type(error).__name__}: {error}"
                 error_type = (
-                    "invalid_request"
-                    if isinstance(error, ValueError) and hasattr(error, "field")
-                    else "engine_error"
+                    ErrorType.INVALID_REQUEST if isinstance(error, RequestError) else ErrorType.ENGINE_ERROR
                 )
                 self._finish(
                     handle, RunFailed(handle.request_id, variant.index, message, stage.stage_id, error_type)
@@ -591,7 +600,7 @@ class OmniEngine:
             token_ids = tuple(int(i) for i in torch.as_tensor(merged["token_ids"]).reshape(-1).tolist())
         jobs = variant.jobs.values()
         last_ar = [j for sid, j in variant.jobs.items() if self.config.stage(sid).final_output]
-        finish_reason = last_ar[-1].finish_reason if last_ar else "stop"
+        finish_reason = FinishReason(last_ar[-1].finish_reason) if last_ar else FinishReason.STOP
         return RunOutput(
             index=variant.index,
             seed=variant.seed,
@@ -629,7 +638,12 @@ class OmniEngine:
                     self._finish(
                         handle,
                         RunFailed(
-                            handle.request_id, 0, "the engine was shut down", None, "engine_error", True
+                            handle.request_id,
+                            0,
+                            "the engine was shut down",
+                            None,
+                            ErrorType.ENGINE_ERROR,
+                            True,
                         ),
                     )
         for runner in self.runners.values():

@@ -7,9 +7,37 @@ The UI, the API's SSE stream, the CLI progress bars and the run store all consum
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from PIL import Image
+
+
+# StrEnums: each member equals its string, so comparisons with plain strings and the values stored in
+# JSON and the run store stay what they were.
+
+
+class StageKind(StrEnum):
+    AR = "ar"
+    DIFFUSION = "diffusion"
+
+
+class StageStatus(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ErrorType(StrEnum):
+    ENGINE_ERROR = "engine_error"
+    CANCELLED = "cancelled"
+    INVALID_REQUEST = "invalid_request"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)
@@ -21,7 +49,7 @@ class EngineEvent:
 @dataclass(frozen=True)
 class StageStarted(EngineEvent):
     stage_id: int = 0
-    kind: str = ""
+    kind: StageKind = StageKind.AR
     total: int = 0  # tokens to generate (ar) or denoising steps (diffusion); 0 when unknown
 
 
@@ -55,8 +83,8 @@ class DiffusionStep(EngineEvent):
 @dataclass(frozen=True)
 class StageFinished(EngineEvent):
     stage_id: int = 0
-    kind: str = ""
-    status: str = "succeeded"  # succeeded | failed | cancelled
+    kind: StageKind = StageKind.AR
+    status: StageStatus = StageStatus.SUCCEEDED
     started_at: float = 0.0  # time.time() stamps
     finished_at: float = 0.0
     queue_seconds: float = 0.0  # waited for the stage after the previous one finished
@@ -78,7 +106,7 @@ class RunOutput:
     text: str | None = None
     images: tuple[Image.Image, ...] = ()
     token_ids: tuple[int, ...] | None = None
-    finish_reason: str = "stop"  # stop | length | cancelled
+    finish_reason: FinishReason = FinishReason.STOP
     input_tokens: int = 0
     output_tokens: int = 0
     extras: dict[str, Any] = field(default_factory=dict)
@@ -105,7 +133,7 @@ class RunFailed(EngineEvent):
 
     message: str = ""
     stage_id: int | None = None
-    error_type: str = "engine_error"  # engine_error | cancelled | invalid_request
+    error_type: ErrorType = ErrorType.ENGINE_ERROR
     cancelled: bool = False
 
 

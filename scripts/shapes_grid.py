@@ -46,9 +46,9 @@ def main() -> int:
 
     from engine import GenerationParams, GenerationRequest, build_engine
     from engine.environment import quiet_libraries
-    from engine.tiny.shapes.classify import classify
-    from engine.tiny.shapes.evaluate import DEPLOY_PATH
-    from engine.tiny.shapes.world import parse_caption
+    from tools.shapes.classify import classify
+    from tools.shapes.evaluate import DEPLOY_PATH
+    from tools.shapes.world import parse_caption
 
     quiet_libraries()
     engine = build_engine(

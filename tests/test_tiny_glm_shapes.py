@@ -12,8 +12,8 @@ from PIL import Image
 
 from engine.models import describe_model
 from engine.tiny import BUILTIN_MODELS, ensure_builtin_model
-from engine.tiny.shapes.classify import classify
-from engine.tiny.shapes.world import parse_caption, quantise, render
+from tools.shapes.classify import classify
+from tools.shapes.world import parse_caption, quantise, render
 from tests.conftest import png
 
 # Fixed prompts and seeds: three held-out combinations (never trained on) and two training ones, covering

@@ -141,8 +141,8 @@ def test_the_trained_shapes_model_from_the_picker_draws_the_prompt(client):
     import numpy as np
     from PIL import Image
 
-    from engine.tiny.shapes.classify import classify
-    from engine.tiny.shapes.world import parse_caption
+    from tools.shapes.classify import classify
+    from tools.shapes.world import parse_caption
 
     assert "Now serving **tiny-glm-shapes**" in client.predict("tiny-glm-shapes", api_name="/switch_model")
     try:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from engine.events import TokenProgress
+from engine.events import FinishReason, TokenProgress
 from engine.modality import OutputModality
 from engine.stages.base import StageCancelled, StageJob, StageRunner
 
@@ -173,7 +173,9 @@ class TransformersARStage(StageRunner):
         if generated.numel() > hook.seen:  # the last token(s) after the final hook call
             self.emit_delta(job, generated[hook.seen :], generated)
         job.output_tokens = int(generated.numel())
-        job.finish_reason = "length" if generated.numel() >= prepared.max_new_tokens else "stop"
+        job.finish_reason = (
+            FinishReason.LENGTH if generated.numel() >= prepared.max_new_tokens else FinishReason.STOP
+        )
         extras = self.finish(job, generated, prepared)
         if extras:
             job.add_output(extras)

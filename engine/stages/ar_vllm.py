@@ -49,7 +49,7 @@ except Exception as exc:  # a broken install (e.g. a CUDA torchvision beside CPU
     raise ImportError(f"vLLM is installed but does not import: {type(exc).__name__}: {exc}") from exc
 
 from engine.config import ResolvedStage
-from engine.events import TokenProgress
+from engine.events import FinishReason, StageStatus, TokenProgress
 from engine.modality import OutputModality
 from engine.request import RequestError
 from engine.stages.base import JobDone, StageJob, StageRunner
@@ -181,18 +181,18 @@ class _LiveRequest:
         if output.finished:
             reason = completion.finish_reason if completion is not None else None
             if reason == "abort" or self.job.cancelled:
-                self.finish("cancelled")
+                self.finish(StageStatus.CANCELLED)
                 return
-            self.job.finish_reason = "length" if reason == "length" else "stop"
+            self.job.finish_reason = FinishReason.LENGTH if reason == "length" else FinishReason.STOP
             try:
                 if self.prompt.extra_outputs:
                     self.job.add_output(self.prompt.extra_outputs)
             except Exception as exc:
-                self.finish("failed", exc)
+                self.finish(StageStatus.FAILED, exc)
                 return
-            self.finish("succeeded")
+            self.finish(StageStatus.SUCCEEDED)
 
-    def finish(self, status: str, error: Exception | None = None) -> None:
+    def finish(self, status: StageStatus, error: Exception | None = None) -> None:
         with self._lock:
             if self.finished:
                 return
@@ -274,7 +274,7 @@ class _InprocDriver(_Driver):
         self.commands.put(("stop", None))
         self.thread.join(timeout=30)
         for live in list(self.live.values()):
-            live.finish("cancelled")
+            live.finish(StageStatus.CANCELLED)
         self.live.clear()
         with _INPROC_LOCK:
             _INPROC_ENGINES.discard(self)
@@ -298,7 +298,7 @@ class _InprocDriver(_Driver):
             return
         live: _LiveRequest = payload
         if live.cancelled:
-            live.finish("cancelled")
+            live.finish(StageStatus.CANCELLED)
             return
         try:
             if live.prompt.source_grids:
@@ -309,7 +309,7 @@ class _InprocDriver(_Driver):
                 live.request_id, TokensPrompt(prompt_token_ids=live.prompt.token_ids), live.params
             )
         except Exception as exc:
-            live.finish("failed", exc)
+            live.finish(StageStatus.FAILED, exc)
             return
         self.live[live.request_id] = live
 
@@ -330,7 +330,7 @@ class _InprocDriver(_Driver):
             if aborted:
                 self.engine.abort_request(aborted)
                 for rid in aborted:
-                    self.live.pop(rid).finish("cancelled")
+                    self.live.pop(rid).finish(StageStatus.CANCELLED)
             if not self.live:
                 continue
             try:
@@ -339,7 +339,7 @@ class _InprocDriver(_Driver):
             except Exception as exc:  # the engine is broken: fail what is in flight, keep taking requests
                 log.exception("vLLM step failed")
                 for live in list(self.live.values()):
-                    live.finish("failed", exc)
+                    live.finish(StageStatus.FAILED, exc)
                 self.live.clear()
                 continue
             for output in outputs:
@@ -350,7 +350,7 @@ class _InprocDriver(_Driver):
                     live.on_output(output)
                 except Exception as exc:
                     self.engine.abort_request([output.request_id])
-                    live.finish("failed", exc)
+                    live.finish(StageStatus.FAILED, exc)
                 if output.finished or live.finished:
                     self.live.pop(output.request_id, None)
 
@@ -378,7 +378,7 @@ class _AsyncDriver(_Driver):
 
     async def _run(self, live: _LiveRequest) -> None:
         if live.cancelled:
-            live.finish("cancelled")
+            live.finish(StageStatus.CANCELLED)
             return
         self.live[live.request_id] = live
         try:
@@ -392,14 +392,14 @@ class _AsyncDriver(_Driver):
                 if live.finished:
                     break
         except asyncio.CancelledError:
-            live.finish("cancelled")
+            live.finish(StageStatus.CANCELLED)
         except Exception as exc:
-            live.finish("failed", exc)
+            live.finish(StageStatus.FAILED, exc)
         finally:
             self.live.pop(live.request_id, None)
             if not live.finished:  # the stream ended without a finished output (aborted)
                 live.finish(
-                    "cancelled" if live.cancelled else "failed",
+                    StageStatus.CANCELLED if live.cancelled else StageStatus.FAILED,
                     None if live.cancelled else RuntimeError("vLLM ended the request without a result"),
                 )
 
@@ -412,12 +412,12 @@ class _AsyncDriver(_Driver):
                 for rid in aborted:
                     live = self.live.get(rid)
                     if live is not None:
-                        live.finish("cancelled")
+                        live.finish(StageStatus.CANCELLED)
 
     async def _shutdown(self) -> None:
         self._watch.cancel()
         for live in list(self.live.values()):
-            live.finish("cancelled")
+            live.finish(StageStatus.CANCELLED)
         self.engine.shutdown()
 
     def shutdown(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.config import ResolvedStage
-from engine.events import EngineEvent, TextDelta
+from engine.events import EngineEvent, FinishReason, StageStatus, TextDelta
 from engine.modality import OutputAccumulator
 
 
@@ -39,7 +39,7 @@ class StageJob:
     scratch: dict[str, Any] = field(default_factory=dict)  # runner-private state between calls
     input_tokens: int = 0
     output_tokens: int = 0
-    finish_reason: str = "stop"
+    finish_reason: FinishReason = FinishReason.STOP
 
     @property
     def cancelled(self) -> bool:
@@ -69,7 +69,7 @@ class StageJob:
         return self.accumulator.deliver()
 
 
-JobDone = Callable[[str, "Exception | None"], None]  # (status: succeeded|failed|cancelled, error)
+JobDone = Callable[[StageStatus, "Exception | None"], None]  # (status, error)
 
 
 class StageRunner(ABC):

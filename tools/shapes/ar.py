@@ -27,9 +27,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
 
-from engine.tiny.shapes.model import IMAGE_END_ID
-from engine.tiny.shapes.training import optimiser_step, resume, save_checkpoint
-from engine.tiny.shapes.world import (
+from tools.shapes.model import IMAGE_END_ID
+from tools.shapes.training import optimiser_step, resume, save_checkpoint
+from tools.shapes.world import (
     COLOUR_PAIRS,
     MASKS,
     PREVIEW_BACKGROUND,

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine.tiny.shapes.world import (
+from tools.shapes.world import (
     COLOUR_NAMES,
     POSITIONS,
     SHAPES,

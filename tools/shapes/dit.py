@@ -19,9 +19,9 @@ import torch
 from diffusers import GlmImageTransformer2DModel
 
 from engine.processors import upsample_grid_ids
-from engine.tiny.shapes.ar import factorise, materialise
-from engine.tiny.shapes.training import optimiser_step, resume, save_checkpoint
-from engine.tiny.shapes.world import TARGET_SIDE
+from tools.shapes.ar import factorise, materialise
+from tools.shapes.training import optimiser_step, resume, save_checkpoint
+from tools.shapes.world import TARGET_SIDE
 
 
 def upsampled_prior(target: torch.Tensor) -> torch.Tensor:

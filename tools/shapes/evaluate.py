@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.tiny.shapes.classify import ATTRIBUTES, Reading, classify
-from engine.tiny.shapes.world import Scene, all_scenes, held_out_scenes, training_scenes
+from tools.shapes.classify import ATTRIBUTES, Reading, classify
+from tools.shapes.world import Scene, all_scenes, held_out_scenes, training_scenes
 
-DEPLOY_PATH = Path(__file__).resolve().parents[3] / "assets" / "deploy" / "tiny-glm-shapes.yaml"
+DEPLOY_PATH = Path(__file__).resolve().parents[2] / "assets" / "deploy" / "tiny-glm-shapes.yaml"
 
 
 @dataclass

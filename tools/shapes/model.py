@@ -24,7 +24,7 @@ from engine.tiny.glm_image import (
     leading_tokens,
     special_tokens,
 )
-from engine.tiny.shapes.world import COLOUR_NAMES, POSITION_NAMES, SHAPES, VISION_CODES
+from tools.shapes.world import COLOUR_NAMES, POSITION_NAMES, SHAPES, VISION_CODES
 from engine.tiny.tokenizers import byte_fallback_tokenizer
 
 RECIPE_PATH = Path(__file__).with_name("recipe.yaml")

@@ -1,6 +1,6 @@
 """Retrain `tiny-glm-shapes` from nothing and print its evaluation through the engine.
 
-    .venv/bin/python -m engine.tiny.shapes.train --out DIR [--install]
+    .venv/bin/python -m tools.shapes.train --out DIR [--install]
 
 Stages (each resumes from its checkpoint under ``DIR/ckpt`` and is skipped once ``DIR/stages/<name>.pt``
 exists, so an interrupted run continues where it stopped):
@@ -27,19 +27,19 @@ from pathlib import Path
 import torch
 
 from engine.tiny.glm_image import build_glyph_encoder, save_glm_image
-from engine.tiny.shapes import ar as ar_training
-from engine.tiny.shapes import dit as dit_training
-from engine.tiny.shapes import vae as vae_training
-from engine.tiny.shapes.model import (
+from tools.shapes import ar as ar_training
+from tools.shapes import dit as dit_training
+from tools.shapes import vae as vae_training
+from tools.shapes.model import (
     build_ar,
     build_processor,
     build_transformer,
     build_vae,
     load_recipe,
 )
-from engine.tiny.shapes.world import held_out_scenes, quantise, render, training_scenes
+from tools.shapes.world import held_out_scenes, quantise, render, training_scenes
 
-SHIPPED_DIR = Path(__file__).resolve().parents[3] / "assets" / "models" / "tiny-glm-shapes"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "assets" / "models" / "tiny-glm-shapes"
 
 
 def log(message: str) -> None:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"installed as {SHIPPED_DIR}")
 
     if not args.skip_eval:
-        from engine.tiny.shapes.evaluate import evaluate_model, pick_scenes
+        from tools.shapes.evaluate import evaluate_model, pick_scenes
 
         scenes = pick_scenes(args.eval_held_out, args.eval_training)
         log(f"[eval] {len(scenes)} prompts through the engine (assets/deploy/tiny-glm-shapes.yaml)")

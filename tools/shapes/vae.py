@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKL
 
-from engine.tiny.shapes.training import optimiser_step, resume, save_checkpoint
-from engine.tiny.shapes.world import SHAPE_SIZE, Scene, render
+from tools.shapes.training import optimiser_step, resume, save_checkpoint
+from tools.shapes.world import SHAPE_SIZE, Scene, render
 
 
 def jittered_render(scene: Scene, rng: np.random.Generator, jitter: float) -> np.ndarray:
