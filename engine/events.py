@@ -12,7 +12,6 @@ from typing import Any
 
 from PIL import Image
 
-
 # StrEnums: each member equals its string, so comparisons with plain strings and the values stored in
 # JSON and the run store stay what they were.
 

@@ -492,9 +492,9 @@ def test_trained_shapes_model_draws_the_same_pictures_on_vllm(model_cache: Path,
     (greedy AR in its deploy preset) draws byte-identical, correct pictures on both AR backends."""
     import numpy as np
 
+    from tests.test_tiny_glm_shapes import PROMPTS
     from tools.shapes.classify import classify
     from tools.shapes.world import parse_caption
-    from tests.test_tiny_glm_shapes import PROMPTS
 
     pictures: dict[str, list[str]] = {}
     for backend in ("vllm", "transformers"):

@@ -12,9 +12,9 @@ from PIL import Image
 
 from engine.models import describe_model
 from engine.tiny import BUILTIN_MODELS, ensure_builtin_model
+from tests.conftest import png
 from tools.shapes.classify import classify
 from tools.shapes.world import parse_caption, quantise, render
-from tests.conftest import png
 
 # Fixed prompts and seeds: three held-out combinations (never trained on) and two training ones, covering
 # every shape, every colour and four positions.
