@@ -24,8 +24,8 @@ from engine.tiny.glm_image import (
     leading_tokens,
     special_tokens,
 )
-from tools.shapes.world import COLOUR_NAMES, POSITION_NAMES, SHAPES, VISION_CODES
 from engine.tiny.tokenizers import byte_fallback_tokenizer
+from tools.shapes.world import COLOUR_NAMES, POSITION_NAMES, SHAPES, VISION_CODES
 
 RECIPE_PATH = Path(__file__).with_name("recipe.yaml")
 IMAGE_START_ID, IMAGE_END_ID = VISION_CODES, VISION_CODES + 1
