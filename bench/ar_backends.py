@@ -132,7 +132,7 @@ def main() -> int:
     from engine.models import describe_model, materialize
     from engine.paths import default_data_dir, model_cache_dir
     from engine.pipelines.glm_image import GlmImageARStage
-    from engine.stages.ar_vllm import VllmGlmImageARStage
+    from engine.pipelines.glm_image.ar_vllm import VllmGlmImageARStage
 
     quiet_libraries()
     source = describe_model(args.model)

@@ -28,13 +28,10 @@ from engine.engine import EngineBuildError, OmniEngine, build_engine  # noqa: E4
 from engine.events import RunFailed, RunFinished, StageFinished, TextDelta, TokenProgress  # noqa: E402
 from engine.modality import OutputAccumulator, OutputModality  # noqa: E402
 from engine.pipelines.chat import ChatARStage  # noqa: E402
+from engine.pipelines.chat.ar_vllm import VllmChatARStage  # noqa: E402
 from engine.pipelines.glm_image import GlmImageARStage  # noqa: E402
-from engine.stages.ar_vllm import (  # noqa: E402
-    VllmChatARStage,
-    VllmGlmImageARStage,
-    VllmPrompt,
-    sampling_params,
-)
+from engine.pipelines.glm_image.ar_vllm import VllmGlmImageARStage  # noqa: E402
+from engine.stages.ar_vllm import VllmPrompt, sampling_params  # noqa: E402
 from engine.stages.base import StageJob  # noqa: E402
 
 pytestmark = pytest.mark.vllm

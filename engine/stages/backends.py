@@ -1,13 +1,18 @@
-"""Choosing an AR stage's backend: ``auto`` | ``vllm`` | ``transformers`` (SPEC section 8)."""
+"""Choosing an AR stage's backend: ``auto`` | ``vllm`` | ``transformers`` (docs/vllm.md).
+
+This module decides *which* backend runs a stage; each model family owns its runners and imports its
+vLLM runner only when this says ``vllm`` (importing vLLM takes seconds).
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Literal
 
 from engine.config import ResolvedStage
-from engine.stages.base import StageRunner
 
 AR_BACKENDS = ("auto", "vllm", "transformers")
+ChosenBackend = Literal["vllm", "transformers"]
 
 
 class BackendUnavailable(RuntimeError):
@@ -21,28 +26,30 @@ def vllm_importable() -> bool:
 _import_error: ImportError | None = None  # why vLLM is installed but unusable, if it is
 
 
-def vllm_runner_for(family: str) -> type[StageRunner] | None:
-    """The vLLM runner for ``family``'s AR stage, if vLLM is installed and we have one for it."""
+def vllm_usable() -> bool:
+    """Whether vLLM is installed and our generic vLLM stage machinery imports (it imports vLLM)."""
     global _import_error
     if not vllm_importable():
-        return None
+        return False
     try:
-        from engine.stages import ar_vllm  # noqa: F401  (present once the vLLM backend lands)
+        from engine.stages import ar_vllm  # noqa: F401
     except ImportError as exc:
         _import_error = exc
-        return None
-    return ar_vllm.RUNNERS.get(family)
+        return False
+    return True
 
 
-def ar_runner_class(
-    stage: ResolvedStage, transformers_runner: type[StageRunner], family: str
-) -> type[StageRunner]:
+def select_ar_backend(stage: ResolvedStage, family: str, has_vllm_runner: bool = True) -> ChosenBackend:
+    """The backend ``stage`` runs on: its ``backend`` key, with ``auto`` taking vLLM when it is usable.
+
+    Raises :class:`BackendUnavailable` when ``vllm`` is asked for but vLLM is missing or broken here, or
+    ``family`` has no vLLM runner.
+    """
     backend = stage.backend or "auto"
     if backend == "transformers":
-        return transformers_runner
-    runner = vllm_runner_for(family)
-    if runner is not None:
-        return runner
+        return "transformers"
+    if vllm_usable() and has_vllm_runner:
+        return "vllm"
     if backend == "vllm":
         if not vllm_importable():
             reason = "vLLM is not installed"
@@ -53,4 +60,4 @@ def ar_runner_class(
         raise BackendUnavailable(
             f"stage {stage.stage_id}: backend 'vllm' requested but {reason}; use backend: transformers or auto"
         )
-    return transformers_runner
+    return "transformers"
