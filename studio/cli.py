@@ -6,20 +6,21 @@ import argparse
 import base64
 import io
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from engine.config import DeployConfigError
 from engine.environment import quiet_libraries
+from engine.paths import default_data_dir
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
-from studio.runtime import StartupError, tune_interpreter
+from studio.errors import StartupError, UserError
+from studio.launch import tune_interpreter
+from studio.settings import StudioSettings
 
 FINGERPRINT_MODES = ("full", "hash", "custom", "none")
 AR_BACKENDS = ("auto", "vllm", "transformers")
-
-
-class CLIError(Exception):
-    """A user error: printed without a traceback, exit code 2."""
+SERVING_COMMANDS = ("ui", "serve")  # the commands that serve, and so check the fingerprint flags
 
 
 def _shared_options(defaults: bool = True) -> argparse.ArgumentParser:
@@ -159,38 +160,73 @@ def load_image_source(source: str):
         if source.startswith("data:"):
             header, _, payload = source.partition(",")
             if ";base64" not in header:
-                raise CLIError("--image: data URLs must be base64 encoded (data:image/png;base64,...)")
+                raise UserError("--image: data URLs must be base64 encoded (data:image/png;base64,...)")
             data = base64.b64decode(payload, validate=True)
             image = Image.open(io.BytesIO(data))
         else:
             path = Path(source).expanduser()
             if not path.is_file():
-                raise CLIError(f"--image: no such file: {source}")
+                raise UserError(f"--image: no such file: {source}")
             image = Image.open(path)
         image.load()
         return image
     except (UnidentifiedImageError, ValueError, OSError) as exc:
-        raise CLIError(f"--image: not a readable image ({exc})") from exc
+        raise UserError(f"--image: not a readable image ({exc})") from exc
 
 
 def _model_arg(args: argparse.Namespace) -> str | None:
     return getattr(args, "model_arg", None) or args.model
 
 
+def settings_from_args(args: argparse.Namespace) -> StudioSettings:
+    """The studio's settings, built once from the parsed command line (and the environment)."""
+    auth: tuple[str, str] | None = None
+    if args.auth:
+        if ":" not in args.auth:
+            raise UserError("--auth takes USER:PASS")
+        user, password = args.auth.split(":", 1)
+        auth = (user, password)
+    data_dir = Path(args.data_dir).expanduser() if args.data_dir else default_data_dir()
+    if args.command != "validate":  # validating a file writes nothing
+        data_dir.mkdir(parents=True, exist_ok=True)
+    settings = StudioSettings(
+        data_dir=data_dir,
+        model=_model_arg(args),
+        deploy_config=args.deploy_config,
+        ar_backend=args.ar_backend,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        share=args.share,
+        auth=auth,
+        api_key=args.api_key,
+        db_url=args.db,
+    )
+    if args.command in SERVING_COMMANDS:  # refused before anything loads; a run serves no fingerprint
+        from studio.api.fingerprint import FingerprintError, FingerprintSettings
+
+        try:
+            fingerprint = FingerprintSettings(args.fingerprint_mode, args.fingerprint_value)
+        except FingerprintError as exc:
+            raise UserError(str(exc)) from exc
+        settings = replace(settings, fingerprint=fingerprint)
+    return settings
+
+
 # -- commands ---------------------------------------------------------------------------------------
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
+def cmd_validate(args: argparse.Namespace, settings: StudioSettings) -> int:
     from engine.engine import build_pipeline_config, device_problems
     from engine.models import ModelNotFound, describe_model
     from engine.pipelines import UnknownModelFamily
 
     try:
-        source = describe_model(_model_arg(args))
+        source = describe_model(settings.model)
     except (ModelNotFound, UnknownModelFamily) as exc:
-        raise CLIError(str(exc)) from exc
+        raise UserError(str(exc)) from exc
     try:
-        config = build_pipeline_config(source, args.file, args.ar_backend)
+        config = build_pipeline_config(source, args.file, settings.ar_backend)
         if args.check_devices:
             problems = device_problems(config)
             if problems:
@@ -203,17 +239,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+RUN_REQUEST_FIELDS = (
+    "prompt",
+    "image",
+    "seed",
+    "height",
+    "width",
+    "steps",
+    "guidance",
+    "negative_prompt",
+    "max_tokens",
+    "temperature",
+    "n",
+    "model",
+    "deploy_config",
+    "ar_backend",
+)
+
+
+def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
     from engine import GenerationParams, GenerationRequest, RequestError
-    from engine.events import RunFailed, RunFinished
+    from engine.events import RunFailed
     from engine.modality import OutputModality
+    from studio.launch import close_recorder, open_recorder, start_engine
     from studio.progress import StageProgressBars
-    from studio.runtime import data_dir_from, start_engine
-    from studio.store import RunRecorder, StoreError, open_store
+    from studio.runs import RunService
 
     image = load_image_source(args.image) if args.image else None
-    engine = start_engine(args)
-    recorder: RunRecorder | None = None
+    engine = start_engine(settings)
+    recorder = None
     try:
         request = GenerationRequest(
             args.prompt,
@@ -233,61 +287,34 @@ def cmd_run(args: argparse.Namespace) -> int:
         try:
             resolved = engine.resolve(request)
         except RequestError as exc:
-            raise CLIError(str(exc)) from exc
+            raise UserError(str(exc)) from exc
         makes_images = OutputModality.IMAGE in resolved.modalities
         if makes_images and not args.out:
-            raise CLIError(f"--out FILE is required: {engine.config.model_name} makes images")
-        try:  # recorded like a run from the UI or the API (no fingerprint: nothing is served)
-            recorder = RunRecorder(open_store(args.db, data_dir_from(args)))
-        except StoreError as exc:
-            raise StartupError(str(exc)) from exc
-        cli_request = {
-            k: v
-            for k, v in vars(args).items()
-            if v is not None
-            and k
-            in (
-                "prompt",
-                "image",
-                "seed",
-                "height",
-                "width",
-                "steps",
-                "guidance",
-                "negative_prompt",
-                "max_tokens",
-                "temperature",
-                "n",
-                "model",
-                "deploy_config",
-                "ar_backend",
-            )
-        }
-        tracker = recorder.start_run(
-            "cli",
-            resolved,
-            engine.config,
-            args.served_model_name or engine.config.model_name,
-            None,
-            cli_request,
+            raise UserError(f"--out FILE is required: {engine.config.model_name} makes images")
+        # Recorded like a run from the UI or the API (no fingerprint: nothing is served).
+        recorder = open_recorder(settings)
+        runs = RunService(recorder, "cli", recorder.store.files)
+        cli_request = {k: v for k, v in vars(args).items() if v is not None and k in RUN_REQUEST_FIELDS}
+        tracker = runs.start(
+            engine, resolved, settings.served_model_name or engine.config.model_name, None, cli_request
         )
         names = {s.stage_id: s.kind for s in engine.config.stages}
         bars = StageProgressBars(names, show_text=not makes_images and not args.quiet)
-        result: Any = None
         try:
-            for event in engine.stream(resolved):
-                tracker.observe(event)
-                if not args.quiet:
-                    bars(event)
-                if isinstance(event, (RunFinished, RunFailed)):
-                    result = event
-        except KeyboardInterrupt:
-            tracker.fail("stopped from the terminal (Ctrl-C)", cancelled=True)
-            raise
+            result = runs.run_blocking(
+                engine,
+                resolved,
+                tracker,
+                on_event=None if args.quiet else bars,
+                stopped="stopped from the terminal (Ctrl-C)",
+            )
         finally:
             bars.close()
         if isinstance(result, RunFailed):
             print(f"run failed: {result.message}", file=sys.stderr)
+            return 1
+        if result is None:
+            print("run failed: the engine ended the run without a result", file=sys.stderr)
             return 1
         written = write_outputs(result, args.out, makes_images)
         for line in written:
@@ -300,8 +327,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     finally:
         if recorder is not None:
-            recorder.close()  # writes everything queued before the process exits
-            recorder.store.close()
+            close_recorder(recorder)  # writes everything queued before the process exits
         engine.close()
 
 
@@ -326,18 +352,17 @@ def write_outputs(result: Any, out: str | None, makes_images: bool) -> list[str]
     return lines
 
 
-def cmd_history(args: argparse.Namespace) -> int:
+def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
     """``history ls|show|export|import``: the run store from the terminal."""
     import json
 
-    from studio.runtime import data_dir_from
     from studio.store import AmbiguousRunId, BundleError, RunFilter, RunNotFound, StoreError, open_store
     from studio.store.terminal import format_run_detail, format_run_table
 
     try:
-        store = open_store(args.db, data_dir_from(args))
+        store = open_store(settings.db_url, settings.data_dir)
     except StoreError as exc:
-        raise CLIError(str(exc)) from exc
+        raise UserError(str(exc)) from exc
     try:
         action = args.history_command
         if action == "ls":
@@ -346,7 +371,7 @@ def cmd_history(args: argparse.Namespace) -> int:
                 runs = store.list_runs(selection, limit=args.limit)
                 total = store.count_runs(selection)
             except ValueError as exc:  # an unknown --status
-                raise CLIError(str(exc)) from exc
+                raise UserError(str(exc)) from exc
             print(
                 json.dumps([r.to_dict() for r in runs], indent=2)
                 if args.json
@@ -356,7 +381,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             try:
                 run = store.get_run(store.resolve_run_id(args.run_id))
             except (RunNotFound, AmbiguousRunId) as exc:
-                raise CLIError(str(exc)) from exc
+                raise UserError(str(exc)) from exc
             print(json.dumps(run.to_dict(), indent=2, default=str) if args.json else format_run_detail(run))
         elif action == "export":
             count = store.export_bundle(Path(args.file))
@@ -365,7 +390,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             try:
                 result = store.import_bundle(Path(args.file))
             except BundleError as exc:
-                raise CLIError(str(exc)) from exc
+                raise UserError(str(exc)) from exc
             print(
                 f"imported {result.imported} run{'s' if result.imported != 1 else ''}, "
                 f"skipped {result.skipped} already present"
@@ -375,44 +400,20 @@ def cmd_history(args: argparse.Namespace) -> int:
         store.close()
 
 
-def cmd_not_ready(args: argparse.Namespace) -> int:
-    raise CLIError(f"'omni-studio {args.command}' is not available in this build yet")
+def cmd_not_ready(args: argparse.Namespace, settings: StudioSettings) -> int:
+    raise UserError(f"'omni-studio {args.command}' is not available in this build yet")
 
 
-def cmd_ui(args: argparse.Namespace) -> int:
-    import threading
+def cmd_ui(args: argparse.Namespace, settings: StudioSettings) -> int:
+    from studio.launch import launch_ui
 
-    from studio.api.fingerprint import FingerprintError
-    from studio.server import fingerprint_settings
-
-    try:  # refused before anything loads
-        fingerprint_settings(args)
-    except FingerprintError as exc:
-        raise CLIError(str(exc)) from exc
-
-    # Gradio's import (seconds) overlaps torch/transformers/diffusers and the engine start on the main
-    # thread: a large part of both is file I/O, which releases the GIL. It cuts the studio's cold start.
-    preload = threading.Thread(
-        target=lambda: __import__("studio.ui.app"), daemon=True, name="omni-preload-ui"
-    )
-    preload.start()
-    engine = _preload_engine(args)
-    preload.join()
-    from studio.ui.app import launch_studio
-
-    return launch_studio(args, engine=engine)
+    return launch_ui(settings)
 
 
-def _preload_engine(args: argparse.Namespace):
-    from studio.runtime import start_engine
+def cmd_serve(args: argparse.Namespace, settings: StudioSettings) -> int:
+    from studio.launch import serve_api
 
-    return start_engine(args)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from studio.server import serve
-
-    return serve(args)
+    return serve_api(settings)
 
 
 COMMANDS = {
@@ -433,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     tune_interpreter()
     try:
-        return handler(args)
-    except CLIError as exc:
+        return handler(args, settings_from_args(args))
+    except UserError as exc:
         print(f"omni-studio {command}: error: {exc}", file=sys.stderr)
         return 2
     except StartupError as exc:

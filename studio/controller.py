@@ -21,14 +21,16 @@ import yaml
 
 from engine import GenerationRequest, OmniEngine, ResolvedRequest
 from engine.config import ConfigProblem, DeployConfigError, PipelineConfig, parse_deploy_yaml_text
-from engine.engine import EngineBuildError, build_pipeline_config, device_problems
+from engine.engine import EngineBuildError, build_engine, build_pipeline_config, device_problems
 from engine.events import EngineEvent
 from engine.modality import OutputModality
-from engine.models import ModelSource, describe_model, materialize
-from engine.paths import DEPLOY_PRESETS_DIR, model_cache_dir
+from engine.models import ModelSource, describe_model
+from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import UnknownModelFamily
 from engine.tiny import BUILTIN_MODELS
 from studio.api.app import ServingState
+from studio.runs import RunService
+from studio.store.files import OutputFiles
 
 log = logging.getLogger("omni_studio")
 
@@ -88,6 +90,8 @@ class Studio:
         self.store = store
         self.ar_backend = ar_backend
         self.deploy_text = deploy_text if deploy_text is not None else self.default_deploy_text(engine.model)
+        files = store.files if store is not None else OutputFiles.in_data_dir(self.data_dir)
+        self.runs = RunService(recorder, "ui", files)
         self.share = ShareInfo()
         self.base_url = ""
         self._apply_lock = threading.Lock()
@@ -152,7 +156,7 @@ class Studio:
         if not report.ok:
             return report
         try:
-            self._swap(report.config, self.model)
+            self._swap(self.model, parse_deploy_yaml_text(text) or {})
         except ApplyFailed as exc:
             return ValidationReport(False, [ConfigProblem(None, "", f"the new engine did not start: {exc}")])
         self.deploy_text = text
@@ -169,18 +173,25 @@ class Studio:
         except (ValueError, UnknownModelFamily) as exc:
             return ValidationReport(False, [ConfigProblem(None, "model", str(exc))])
         try:
-            self._swap(config, source)
+            self._swap(source, yaml.safe_load(text) or {})
         except ApplyFailed as exc:
             return ValidationReport(False, [ConfigProblem(None, "model", f"{model} did not start: {exc}")])
         self.deploy_text = text
         return ValidationReport(True, [], config, config.summary())
 
-    def _swap(self, config: PipelineConfig, source: ModelSource) -> None:
+    def _swap(self, source: ModelSource, deploy: dict[str, Any]) -> None:
+        """Start an engine for ``source`` with ``deploy`` (already validated) and serve it."""
+        model = source.name if source.builtin else str(source.path)
         with self._apply_lock:
-            source = materialize(source, model_cache_dir(self.data_dir))
             try:
-                new_engine = OmniEngine.start(config, source, max_pending=self.engine.max_pending)
-            except (EngineBuildError, DeployConfigError) as exc:
+                new_engine = build_engine(
+                    model,
+                    deploy,
+                    data_dir=self.data_dir,
+                    ar_backend=self.ar_backend,
+                    max_pending=self.engine.max_pending,
+                )
+            except (EngineBuildError, DeployConfigError, ValueError) as exc:
                 raise ApplyFailed(str(exc)) from exc
             old = self.engine
             self.engine = new_engine
@@ -260,28 +271,24 @@ class Studio:
     ) -> AsyncIterator[tuple[str, EngineEvent]]:
         """Run a UI request through the engine, recording it; yields (run id, event)."""
         engine = self.engine
-        tracker = None
-        if self.recorder is not None:
-            tracker = self.recorder.start_run(
-                "ui",
-                resolved,
-                engine.config,
-                self.serving.served_model_name,
-                self.system_fingerprint,
-                payload,
-            )
-        finished = False
-        agen = engine.generate(resolved)
+        tracker = self.runs.start(
+            engine, resolved, self.serving.served_model_name, self.system_fingerprint, payload
+        )
+        stopped = "stopped from the studio"
+        events = self.runs.events(engine, resolved, tracker, stopped=stopped)
         try:
-            async for event in agen:
-                if tracker is not None:
-                    tracker.observe(event)
+            async for event in events:
                 yield resolved.request_id, event
-            finished = True
         finally:
-            if not finished and tracker is not None:
-                tracker.fail("stopped from the studio", cancelled=True)
-            await agen.aclose()
+            await events.aclose()
+            tracker.fail(stopped, cancelled=True)  # a no-op when the run has its outcome already
+
+    def keep_image(self, image: Any) -> str:
+        """Write an output image to the run store's files (once per hash); returns its path."""
+        kept = self.runs.keep_image(image)
+        if kept is None:  # the studio's run service always has the output files
+            raise RuntimeError("the studio has no output files")
+        return str(kept[1])
 
     def request_from_run(self, run_id: str) -> tuple[GenerationRequest, Any]:
         """The request that reproduces a recorded run: same prompt, parameters, seed and source image."""

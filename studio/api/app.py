@@ -23,15 +23,18 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import ValidationError
 
 from engine import OmniEngine
+from engine.events import EngineEvent, StageFinished
 from studio.api.errors import APIError, from_validation_error
 from studio.api.fingerprint import FingerprintSettings, system_fingerprint
 from studio.api.inputs import InputLimits, decode_image_bytes
 from studio.api.metrics import APIMetrics
 from studio.api.protocol import ChatCompletionRequest, ImageGenerationRequest
-from studio.api.serving_base import Recording, ServingContext
+from studio.api.serving_base import ServingContext
 from studio.api.serving_chat import OpenAIServingChat
-from studio.api.serving_images import OpenAIServingImages, output_path
+from studio.api.serving_images import OpenAIServingImages
 from studio.api.serving_models import OpenAIServingModels
+from studio.runs import Recording, RunService
+from studio.store.files import OutputFiles
 
 log = logging.getLogger("omni_studio.api")
 SHA_FILE = re.compile(r"^([0-9a-f]{64})\.png$")
@@ -88,8 +91,22 @@ class ServingState:
         return self.engine.model.name if self.engine else "unknown"
 
     @property
-    def outputs_dir(self) -> Path | None:
-        return self.options.data_dir / "outputs" if self.options.data_dir else None
+    def files(self) -> OutputFiles | None:
+        """The run store's output files (``None`` without a data dir: ``url`` responses are refused)."""
+        store = getattr(self.recorder, "store", None)
+        if store is not None:
+            return store.files
+        return OutputFiles.in_data_dir(self.options.data_dir) if self.options.data_dir else None
+
+    def run_service(self) -> RunService:
+        """The run path of API requests: recorded under this state's source, stage timings in the metrics."""
+        metrics = self.metrics
+
+        def observe(event: EngineEvent) -> None:
+            if isinstance(event, StageFinished):
+                metrics.observe_stage(event)
+
+        return RunService(self.recorder, self.source, self.files, on_event=observe)
 
     def build_handlers(self) -> Handlers:
         """Apply the fingerprint mode, then build every handler over it (they cache what they read)."""
@@ -105,9 +122,7 @@ class ServingState:
                 system_fingerprint=fingerprint,
                 metrics=self.metrics,
                 limits=self.options.limits,
-                recorder=self.recorder,
-                outputs_dir=self.outputs_dir,
-                source=self.source,
+                runs=self.run_service(),
             )
             self.handlers = Handlers(
                 OpenAIServingChat(context),
@@ -314,10 +329,11 @@ async def _images_edits(request: Request, state: ServingState) -> Response:
 async def _outputs(request: Request, state: ServingState) -> Response:
     name = request.path_params["name"]
     match = SHA_FILE.match(name)
-    outputs = state.outputs_dir
-    if match is None or outputs is None or not output_path(outputs, match.group(1)).is_file():
+    files = state.files
+    path = files.path(match.group(1)) if match is not None and files is not None else None
+    if path is None or not path.is_file():
         raise APIError(404, f"No output file named {name!r}", "name", "file_not_found")
-    return FileResponse(output_path(outputs, match.group(1)), media_type="image/png")
+    return FileResponse(path, media_type="image/png")
 
 
 async def _metrics(request: Request, state: ServingState) -> Response:

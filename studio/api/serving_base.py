@@ -1,8 +1,10 @@
-"""What every serving handler shares: the engine, the cached fingerprint, recording, limits, and running a
-request to completion with client-disconnect detection.
+"""What every serving handler shares: the engine, the cached fingerprint, limits, the run service, and
+running a request to completion with client-disconnect detection.
 
 Handlers are built by :class:`studio.api.app.ServingState` *after* the fingerprint mode is applied, and
 read ``context.system_fingerprint`` once at construction: changing the mode means building new handlers.
+Recording while streaming is :class:`studio.runs.RunService`'s job; this module turns its outcomes into
+HTTP errors.
 """
 
 from __future__ import annotations
@@ -13,45 +15,22 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import Request
 
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
-from engine.engine import EngineBusy, EngineClosed
-from engine.events import EngineEvent, RunFailed, RunFinished, StageFinished
+from engine.events import EngineEvent, RunFailed, RunFinished
 from studio.api.errors import APIError
 from studio.api.inputs import InputLimits
 from studio.api.metrics import APIMetrics
 from studio.media import png_bytes
+from studio.runs import Recording, RunRejected, RunService, RunTracking
+
+__all__ = ["OpenAIServing", "Recording", "RunTracking", "ServingContext", "png_data_url", "usage_of"]
 
 log = logging.getLogger("omni_studio.api")
 DISCONNECT_POLL_S = 0.25
-
-
-class RunTracking(Protocol):
-    """What the API needs from the run store's per-run tracker (``studio.store.recorder.RunTracker``)."""
-
-    run_id: str
-
-    def observe(self, event: EngineEvent) -> None: ...
-
-    def fail(self, message: str, cancelled: bool = False) -> None: ...
-
-    def finished(self) -> bool: ...
-
-
-class Recording(Protocol):
-    def start_run(
-        self,
-        source: str,
-        resolved: ResolvedRequest,
-        config: Any,
-        model_name: str,
-        fingerprint: str | None,
-        request_payload: dict[str, Any],
-    ) -> RunTracking: ...
 
 
 @dataclass(frozen=True)
@@ -63,26 +42,18 @@ class ServingContext:
     system_fingerprint: str | None
     metrics: APIMetrics
     limits: InputLimits
-    recorder: Recording | None = None
-    outputs_dir: Path | None = None
-    source: str = "api"
+    runs: RunService
 
 
 def png_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
-class _NoTracking:
-    run_id = ""
-
-    def observe(self, event: EngineEvent) -> None:
-        pass
-
-    def fail(self, message: str, cancelled: bool = False) -> None:
-        pass
-
-    def finished(self) -> bool:
-        return True
+def rejection_error(exc: RunRejected) -> APIError:
+    """Queue full -> 429, engine being replaced -> 503."""
+    if exc.reason == "queue_full":
+        return APIError(429, f"The server is busy: {exc.message}. Retry later.", None, "queue_full")
+    return APIError(503, "The engine is restarting; retry shortly", None, "engine_not_ready")
 
 
 class OpenAIServing:
@@ -91,6 +62,7 @@ class OpenAIServing:
     def __init__(self, context: ServingContext) -> None:
         self.context = context
         self.engine = context.engine
+        self.runs = context.runs
         self.served_model_name = context.served_model_name
         self.system_fingerprint = context.system_fingerprint  # read once: see the module docstring
 
@@ -105,54 +77,28 @@ class OpenAIServing:
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
         try:
-            return self.engine.resolve(request)
+            return self.runs.resolve(self.engine, request)
         except RequestError as exc:
             raise APIError(400, str(exc), exc.field) from exc
 
     def track(self, resolved: ResolvedRequest, payload: dict[str, Any]) -> RunTracking:
-        recorder = self.context.recorder
-        if recorder is None:
-            return _NoTracking()
-        return recorder.start_run(
-            self.context.source,
-            resolved,
-            self.engine.config,
-            self.served_model_name,
-            self.system_fingerprint,
-            payload,
+        return self.runs.start(
+            self.engine, resolved, self.served_model_name, self.system_fingerprint, payload
         )
 
-    def observe(self, tracker: RunTracking, event: EngineEvent) -> None:
-        tracker.observe(event)
-        if isinstance(event, StageFinished):
-            self.context.metrics.observe_stage(event)
-
     async def events(
-        self, resolved: ResolvedRequest, tracker: RunTracking, progress: bool = True
+        self, resolved: ResolvedRequest, tracker: RunTracking, *, stopped: str
     ) -> AsyncIterator[EngineEvent]:
-        """The engine's events for ``resolved``, recorded as they pass; queue-full and shutdown become 429/503."""
-        agen = self.engine.generate(resolved, progress=progress)
+        """The engine's events for ``resolved``, recorded as they pass; a refused run becomes 429/503."""
+        events = self.runs.events(self.engine, resolved, tracker, stopped=stopped)
         try:
             try:
-                first = await agen.__anext__()
-            except EngineBusy as exc:
-                tracker.fail(f"rejected: queue full ({exc})")
-                raise recorded(
-                    APIError(429, f"The server is busy: {exc}. Retry later.", None, "queue_full"), tracker
-                ) from exc
-            except EngineClosed as exc:
-                tracker.fail("rejected: the engine is being replaced")
-                raise recorded(
-                    APIError(503, "The engine is restarting; retry shortly", None, "engine_not_ready"),
-                    tracker,
-                ) from exc
-            self.observe(tracker, first)
-            yield first
-            async for event in agen:
-                self.observe(tracker, event)
-                yield event
+                async for event in events:
+                    yield event
+            except RunRejected as exc:
+                raise recorded(rejection_error(exc), tracker) from exc
         finally:
-            await agen.aclose()
+            await events.aclose()
 
     async def run_to_completion(
         self, resolved: ResolvedRequest, tracker: RunTracking, raw_request: Request | None
@@ -166,31 +112,30 @@ class OpenAIServing:
     async def _run_to_completion(
         self, resolved: ResolvedRequest, tracker: RunTracking, raw_request: Request | None
     ) -> RunFinished:
-
-        async def consume() -> EngineEvent | None:
-            terminal = None
-            async for event in self.events(resolved, tracker, progress=False):  # nobody watches progress
-                if isinstance(event, (RunFinished, RunFailed)):
-                    terminal = event
-            return terminal
-
-        task = asyncio.create_task(consume())
+        task = asyncio.create_task(
+            self.runs.run_to_end(
+                self.engine, resolved, tracker, stopped="the request was cancelled by the server"
+            )
+        )
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
                     break
                 if raw_request is not None and await raw_request.is_disconnected():
+                    tracker.fail("the client disconnected", cancelled=True)  # before the run service's note
                     task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, APIError):
+                    with contextlib.suppress(asyncio.CancelledError, RunRejected):
                         await task
-                    tracker.fail("the client disconnected", cancelled=True)
                     raise APIError(499, "client disconnected")
         except asyncio.CancelledError:
-            task.cancel()
             tracker.fail("the request was cancelled by the server", cancelled=True)
+            task.cancel()
             raise
-        terminal = task.result()
+        try:
+            terminal = task.result()
+        except RunRejected as exc:
+            raise rejection_error(exc) from exc
         if isinstance(terminal, RunFinished):
             return terminal
         if isinstance(terminal, RunFailed):

@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``: text, images and streamed progress in OpenAI's chat format.
 
-Streaming rule for ``system_fingerprint`` (SPEC section 4): exactly one chunk carries it: the terminal
+Streaming rule for ``system_fingerprint`` (README.md, "The API"): exactly one chunk carries it: the terminal
 chunk (the one with ``finish_reason``) when usage is not requested, the trailing usage chunk
 (``choices: []``) when ``stream_options.include_usage`` is true.
 """
@@ -104,7 +104,7 @@ class OpenAIServingChat(OpenAIServing):
             ]
         )
         finished = False
-        events = self.events(resolved, tracker)
+        events = self.events(resolved, tracker, stopped="the client disconnected during the stream")
         try:
             async for event in events:
                 piece = self._event_chunk(event, delta, chunk)

@@ -7,10 +7,6 @@ serves the content-addressed file (the same file the run store keeps).
 from __future__ import annotations
 
 import base64
-import hashlib
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -23,23 +19,6 @@ from studio.api.inputs import params_from_fields, parse_size
 from studio.api.protocol import ImageGenerationRequest, now
 from studio.api.serving_base import OpenAIServing
 from studio.media import png_bytes
-
-
-def output_path(outputs_dir: Path, sha256: str) -> Path:
-    return outputs_dir / sha256[:2] / f"{sha256}.png"
-
-
-def save_output(outputs_dir: Path, data: bytes) -> str:
-    """Write ``data`` content-addressed (atomically; an existing file is left alone); return its sha256."""
-    sha = hashlib.sha256(data).hexdigest()
-    path = output_path(outputs_dir, sha)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    return sha
 
 
 class OpenAIServingImages(OpenAIServing):
@@ -72,16 +51,17 @@ class OpenAIServingImages(OpenAIServing):
         result = await self.run_to_completion(resolved, tracker, raw)
         data = []
         for image_out in result.images:
-            encoded = png_bytes(image_out)
             if request.response_format == "url":
-                if self.context.outputs_dir is None:
+                kept = self.runs.keep_image(image_out)  # the run store's file: one copy per hash
+                if kept is None:
                     raise APIError(
                         400, "response_format 'url' needs a data dir; use b64_json", "response_format"
                     )
-                sha = save_output(self.context.outputs_dir, encoded)
+                sha = kept[0]
                 base = str(raw.base_url).rstrip("/") if raw is not None else ""
                 data.append({"url": f"{base}/v1/outputs/{sha}.png", "revised_prompt": None})
             else:
+                encoded = png_bytes(image_out)
                 data.append({"b64_json": base64.b64encode(encoded).decode(), "revised_prompt": None})
         body: dict[str, Any] = {"created": now(), "data": data, "output_format": "png"}
         if self.system_fingerprint is not None:

@@ -20,6 +20,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
 from studio.store.errors import BundleError, StoreError
+from studio.store.files import extension
 from studio.store.models import ACTIVE_STATUSES, RUN_SOURCES, RUN_STATUSES, Output, Run, RunStage, utcnow
 from studio.store.records import ImportResult, RunFilter, as_datetime, iso
 
@@ -77,8 +78,6 @@ def run_row(run: Run) -> dict[str, Any]:
 
 def export_bundle(store: RunStore, path: Path, filter: RunFilter | None = None) -> int:
     """Write the matching runs of ``store`` to the zip ``path`` (replaced atomically); returns how many."""
-    from studio.store.store import extension
-
     runs: list[dict[str, Any]] = []
     configs: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}  # sha256 -> mime

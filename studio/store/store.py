@@ -2,7 +2,7 @@
 
 One :class:`RunStore` per process wraps a SQLAlchemy engine (SQLite in the data dir by default, or any
 URL such as PostgreSQL shared by several studio processes) and a content-addressed file tree
-``<data_dir>/outputs/<sha[:2]>/<sha>.<ext>``. Every method is synchronous and thread-safe: each call is
+(:class:`studio.store.files.OutputFiles`). Every method is synchronous and thread-safe: each call is
 one short transaction (or part of the calling thread's :meth:`RunStore.batch`). Callers on an event loop
 go through :class:`studio.store.recorder.RunRecorder`, which makes these calls on a writer thread.
 
@@ -16,7 +16,6 @@ import hashlib
 import logging
 import os
 import socket
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -32,6 +31,7 @@ from sqlalchemy.orm import Session, joinedload, selectinload
 
 from studio.store import bundle
 from studio.store.errors import AmbiguousRunId, RunNotFound, StoreError
+from studio.store.files import OutputFiles
 from studio.store.models import (
     ACTIVE_STATUSES,
     OUTPUT_KINDS,
@@ -65,8 +65,6 @@ INTERRUPTED_ERROR = (
     "interrupted: the process recording this run stopped (crash, kill or power loss) before the run "
     "finished; marked when the run store was next opened"
 )
-_EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "text/plain": ".txt"}
-
 _runs, _stages, _outputs = Run.__table__, RunStage.__table__, Output.__table__
 _MARK_RUNNING = (
     _runs.update()
@@ -101,11 +99,6 @@ def _kind_for_mime(mime: str) -> str:
     raise ValueError(f"unsupported output type {mime!r}: image/* or text/*")
 
 
-def extension(mime: str) -> str:
-    """The file extension outputs of this type are stored with."""
-    return _EXTENSIONS.get(mime.split(";")[0].strip(), ".bin")
-
-
 def _process_start_ticks(pid: int) -> int | None:
     """When ``pid`` started (Linux clock ticks since boot), to tell a live process from a reused pid."""
     try:
@@ -137,7 +130,8 @@ class RunStore:
     def __init__(self, engine: Engine, data_dir: Path) -> None:
         self.engine = engine
         self.data_dir = Path(data_dir)
-        self.outputs_dir = self.data_dir / "outputs"
+        self.files = OutputFiles.in_data_dir(self.data_dir)  # the output files' layout lives there
+        self.outputs_dir = self.files.root
         self.dialect = engine.dialect.name
         self.owner = _new_owner()
         self.interrupted_at_open = 0
@@ -435,24 +429,11 @@ class RunStore:
 
     def file_path(self, sha256: str, mime: str) -> Path:
         """Where the file with this hash and type lives."""
-        return self.outputs_dir / sha256[:2] / f"{sha256}{extension(mime)}"
+        return self.files.path(sha256, mime)
 
     def write_file(self, data: bytes, mime: str, sha256: str | None = None) -> tuple[str, Path]:
         """Put ``data`` in the content-addressed tree (once per hash); returns its sha256 and path."""
-        sha256 = sha256 or hashlib.sha256(data).hexdigest()
-        path = self.file_path(sha256, mime)
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Write aside and rename: a reader (or a crash) never sees half a file under the final name.
-            fd, tmp = tempfile.mkstemp(prefix=f".{sha256[:8]}-", suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-        return sha256, path
+        return self.files.write(data, mime, sha256)
 
     def add_output(
         self,
@@ -726,8 +707,9 @@ class RunStore:
             path = self.file_path(sha256, mime)
             if path.exists():
                 return path
-        for path in (self.outputs_dir / sha256[:2]).glob(f"{sha256}.*"):
-            return path
+        found = self.files.find(sha256)
+        if found is not None:
+            return found
         raise FileNotFoundError(f"no stored output with sha256 {sha256}")
 
     # deleting -------------------------------------------------------------------------------------
@@ -753,8 +735,7 @@ class RunStore:
         for sha in shas:
             if sha in used:
                 continue
-            for path in (self.outputs_dir / sha[:2]).glob(f"{sha}.*"):
-                path.unlink(missing_ok=True)
+            self.files.remove(sha)
 
     def delete_run(self, run_id: str) -> bool:
         """Delete one run with its stages, outputs and files no other run uses."""

@@ -1,19 +1,16 @@
 """The studio: the Gradio UI and the whole ``/v1`` API from one process and one port.
 
-The API routes are added to the app that ``launch()`` runs (ahead of Gradio's catch-all routes), so a
+``studio.launch.launch_ui`` builds the UI here and launches it. The API routes are added to the app that
+``launch()`` runs (ahead of Gradio's catch-all routes), so a
 ``--share`` link carries both; ``mount_gradio_app`` cannot make share links.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
 import gradio as gr
 
 from studio.api.app import ServingState, create_api_router
-from studio.controller import Studio, generate_secret
+from studio.controller import Studio
 from studio.ui.chat import build_chat_tab
 from studio.ui.history import build_history_tab
 from studio.ui.pipeline import build_pipeline_tab
@@ -78,94 +75,3 @@ def attach_api(app, serving: ServingState) -> None:
     routes = app.router.routes
     for route in reversed(router.routes):
         routes.insert(0, route)
-
-
-def launch_studio(args: argparse.Namespace, engine=None) -> int:
-    """Serve the studio; ``engine`` may be started already (the CLI overlaps that with importing Gradio)."""
-    from studio.runtime import data_dir_from, start_engine
-    from studio.server import open_recorder, serving_options
-
-    try:
-        options = serving_options(args)
-    except Exception as exc:  # FingerprintError: a clear message before anything loads
-        from studio.cli import CLIError
-
-        raise CLIError(str(exc)) from exc
-    auth = None
-    share_user = share_password = None
-    generated_key = False
-    if args.auth:
-        if ":" not in args.auth:
-            from studio.cli import CLIError
-
-            raise CLIError("--auth takes USER:PASS")
-        share_user, share_password = args.auth.split(":", 1)
-        auth = (share_user, share_password)
-    if args.share:
-        if auth is None:  # a public link without a login would let anyone use the machine
-            share_user, share_password = "omni", generate_secret()
-            auth = (share_user, share_password)
-        if not options.api_key:  # ... and the API is public through the same link
-            from dataclasses import replace
-
-            options = replace(options, api_key=generate_secret(18))
-            generated_key = True
-
-    data_dir = data_dir_from(args)
-    recorder = open_recorder(args)
-    engine = engine or start_engine(args)
-    serving = ServingState(engine, options, recorder=recorder, source="api")
-    deploy_text = Path(args.deploy_config).read_text() if args.deploy_config else None
-    studio = Studio(
-        engine,
-        serving,
-        data_dir,
-        recorder=recorder,
-        store=getattr(recorder, "store", None),
-        deploy_text=deploy_text,
-        ar_backend=args.ar_backend,
-    )
-    studio.share.requested = bool(args.share)
-    studio.share.api_key_generated = generated_key
-    if args.share:
-        studio.share.username, studio.share.password = share_user, share_password
-
-    demo = build_ui(studio)
-    demo.queue(default_concurrency_limit=4, max_size=64)
-    app, local_url, share_url = demo.launch(
-        server_name=args.host,
-        server_port=args.port,
-        share=args.share,
-        auth=auth,
-        prevent_thread_lock=True,
-        allowed_paths=[str(data_dir)],
-        quiet=True,
-        show_error=True,
-        css=CSS,
-        theme=gr.themes.Soft(),
-    )
-    attach_api(app, serving)
-    studio.base_url = local_url.rstrip("/") if local_url else f"http://{args.host}:{args.port}"
-    studio.share.url = share_url
-    if args.share and not share_url:
-        studio.share.message = "(could not create a share link: no internet access?)"
-    lines = [
-        f"Omni Studio on {studio.base_url} — model {serving.served_model_name} ({engine.config.family}), "
-        f"config {engine.config.hash8}",
-        f"  OpenAI-compatible API: {studio.base_url}/v1"
-        + (f" and {share_url.rstrip('/')}/v1" if share_url else ""),
-    ]
-    if args.share:
-        lines.append(f"  share link: {share_url or 'not available ' + studio.share.message}")
-        lines.append(f"  UI login: {share_user} / {share_password}")
-    if generated_key:
-        lines.append(f"  API key (required on /v1 when shared): {options.api_key}")
-    print("\n".join(lines), file=sys.stderr, flush=True)
-    try:
-        demo.block_thread()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        demo.close()
-        studio.close()
-    return 0

@@ -23,9 +23,7 @@ from engine.events import (
 )
 from engine.modality import OutputModality
 from studio.api.inputs import params_from_fields
-from studio.api.serving_images import save_output
 from studio.controller import Studio
-from studio.media import png_bytes
 
 # The UI coalesces progress: every yield costs the (GIL-sharing) server a diff and a message, and the tiny
 # models make thousands of tokens a second.
@@ -302,8 +300,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                     content.append(event.text)
                 image_path = None
                 for image in event.images:
-                    sha = save_output(studio.data_dir / "outputs", png_bytes(image))
-                    image_path = str(studio.data_dir / "outputs" / sha[:2] / f"{sha}.png")
+                    image_path = studio.keep_image(image)
                     content.append({"path": image_path, "alt_text": f"seed {event.outputs[0].seed}"})
                 history[-1] = {"role": "assistant", "content": content or "(no output)"}
                 seconds = sum(s.get("seconds") or 0 for s in stages.values())
