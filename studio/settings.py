@@ -1,0 +1,43 @@
+"""What the studio runs with: one typed, frozen object built once from the command line.
+
+``studio.cli`` builds :class:`StudioSettings` from argv (and the environment, through the default data
+dir); everything below the command line (launcher, API, UI, run store) reads this object and never the
+parsed arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from studio.api.fingerprint import FingerprintSettings
+
+
+def _default_fingerprint() -> FingerprintSettings:
+    from studio.api.fingerprint import FingerprintSettings
+
+    return FingerprintSettings()
+
+
+@dataclass(frozen=True)
+class StudioSettings:
+    """Model, serving and storage settings of one studio process (``omni-studio --help`` lists them)."""
+
+    data_dir: Path  # resolved once (``--data-dir``, else ``$OMNI_STUDIO_DATA_DIR``, else the XDG default)
+    model: str | None = None  # a built-in model name or a local HF-format folder; None: the default model
+    deploy_config: str | None = None  # the path as given (error messages quote it)
+    ar_backend: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 7860
+    share: bool = False
+    auth: tuple[str, str] | None = None  # UI login (USER, PASS)
+    api_key: str | None = None
+    fingerprint: FingerprintSettings = field(default_factory=_default_fingerprint)
+    db_url: str | None = None  # SQLAlchemy URL of the run store; None: SQLite in the data dir
+
+    def deploy_text(self) -> str | None:
+        """The deploy YAML the studio started with (shown and edited in the Pipeline tab)."""
+        return Path(self.deploy_config).read_text() if self.deploy_config is not None else None

@@ -1,0 +1,63 @@
+"""The content-addressed output files of the run store: ``<data_dir>/outputs/<sha[:2]>/<sha><ext>``.
+
+:class:`OutputFiles` is the only code that knows this layout; the store, the API (``/v1/outputs/...``,
+``response_format: url``) and the UI (chat images) ask it for paths and writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+_EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "text/plain": ".txt"}
+PNG = "image/png"
+
+
+def extension(mime: str) -> str:
+    """The file extension outputs of this type are stored with."""
+    return _EXTENSIONS.get(mime.split(";")[0].strip(), ".bin")
+
+
+class OutputFiles:
+    """One content-addressed tree of output files; each file is stored once per hash."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    @classmethod
+    def in_data_dir(cls, data_dir: Path) -> OutputFiles:
+        return cls(Path(data_dir) / "outputs")
+
+    def path(self, sha256: str, mime: str = PNG) -> Path:
+        """Where the file with this hash and type lives."""
+        return self.root / sha256[:2] / f"{sha256}{extension(mime)}"
+
+    def write(self, data: bytes, mime: str = PNG, sha256: str | None = None) -> tuple[str, Path]:
+        """Put ``data`` in the tree (once per hash); returns its sha256 and path."""
+        sha256 = sha256 or hashlib.sha256(data).hexdigest()
+        path = self.path(sha256, mime)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Write aside and rename: a reader (or a crash) never sees half a file under the final name.
+            fd, tmp = tempfile.mkstemp(prefix=f".{sha256[:8]}-", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        return sha256, path
+
+    def find(self, sha256: str) -> Path | None:
+        """The stored file with this hash, whatever its type; ``None`` when there is none."""
+        for path in (self.root / sha256[:2]).glob(f"{sha256}.*"):
+            return path
+        return None
+
+    def remove(self, sha256: str) -> None:
+        """Delete the file(s) with this hash."""
+        for path in (self.root / sha256[:2]).glob(f"{sha256}.*"):
+            path.unlink(missing_ok=True)
