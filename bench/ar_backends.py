@@ -127,6 +127,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    from engine.config import DevicePlacement
     from engine.engine import build_pipeline_config, resolve_device
     from engine.environment import quiet_libraries
     from engine.models import describe_model, materialize
@@ -136,7 +137,7 @@ def main() -> int:
 
     quiet_libraries()
     source = describe_model(args.model)
-    device = resolve_device("auto")
+    device = resolve_device(DevicePlacement.parse("auto"))
     stage0: dict[str, Any] = {
         "stage_id": 0,
         "max_num_seqs": BATCH,

@@ -25,6 +25,7 @@ from engine.config import (
     ConfigProblem,
     DeployConfig,
     DeployConfigError,
+    DevicePlacement,
     PipelineConfig,
     ResolvedStage,
     parse_deploy_config,
@@ -70,13 +71,13 @@ class EngineClosed(RuntimeError):
 # -- building -------------------------------------------------------------------------------------
 
 
-def resolve_device(devices: str) -> torch.device:
+def resolve_device(placement: DevicePlacement) -> torch.device:
     """``auto`` -> GPU 0 if present else CPU; ``cpu``; ``'0'``/``'0,1'`` -> the first listed GPU."""
-    if devices in (None, "auto"):
+    if placement.is_auto:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    if devices == "cpu":
+    if placement.is_cpu:
         return torch.device("cpu")
-    return torch.device(f"cuda:{int(str(devices).split(',')[0])}")
+    return torch.device(f"cuda:{placement.gpus[0]}")
 
 
 def device_problems(config: PipelineConfig) -> list[ConfigProblem]:
@@ -84,11 +85,8 @@ def device_problems(config: PipelineConfig) -> list[ConfigProblem]:
     problems = []
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for stage in config.stages:
-        devices = str(stage.engine_args.get("devices") or "auto")
-        if devices in ("auto", "cpu"):
-            continue
-        wanted = [int(d) for d in devices.split(",")]
-        missing = [d for d in wanted if d >= available]
+        placement = stage.engine_args.placement
+        missing = [d for d in placement.gpus if d >= available]
         if missing:
             have = "no GPU" if available == 0 else f"{available} GPU(s) (0-{available - 1})"
             hint = (
@@ -100,7 +98,7 @@ def device_problems(config: PipelineConfig) -> list[ConfigProblem]:
                 ConfigProblem(
                     stage.stage_id,
                     "devices",
-                    f"devices {devices!r} names GPU {', '.join(map(str, missing))} but this machine has {have}; "
+                    f"devices {placement.spec!r} names GPU {', '.join(map(str, missing))} but this machine has {have}; "
                     f"use {hint}",
                 )
             )
@@ -370,7 +368,7 @@ class OmniEngine:
         runners: dict[int, StageRunner] = {}
         try:
             for stage in config.stages:
-                device = resolve_device(str(stage.engine_args.get("devices") or "auto"))
+                device = resolve_device(stage.engine_args.placement)
                 # Output names are parsed here too (not only in validation): a config built in code
                 # bypasses the loader, and an invalid name must fail before any request is accepted.
                 parse_output_modalities(stage.engine_output_type)

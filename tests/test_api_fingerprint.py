@@ -98,7 +98,7 @@ def test_full_mode_names_tensor_and_pipeline_parallelism(glm_engine):
 
     config = glm_engine.config
     stages = tuple(
-        replace(s, engine_args={**s.engine_args, "tensor_parallel_size": 2, "pipeline_parallel_size": 3})
+        replace(s, engine_args=replace(s.engine_args, tensor_parallel_size=2, pipeline_parallel_size=3))
         for s in config.stages
     )
     parallel = replace(config, stages=stages)

@@ -10,10 +10,12 @@ from engine.config import (
     load_deploy_config,
     load_deploy_file,
     parse_deploy_config,
+    parse_deploy_file,
     resolve_pipeline_config,
 )
 from engine.engine import build_pipeline_config, device_problems
 from engine.models import describe_model
+from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import get_family
 from tests.conftest import SEED_DEPLOY
 
@@ -39,9 +41,9 @@ def test_seed_deploy_yaml_loads_unchanged():
     config = build_pipeline_config(describe_model("tiny-glm-image"), SEED_DEPLOY)
     ar, dit = config.stages
     assert (ar.kind, dit.kind) == ("ar", "diffusion")
-    assert ar.engine_args["gpu_memory_utilization"] == 0.5
-    assert ar.engine_args["max_model_len"] == 32768
-    assert ar.engine_args["devices"] == "0"
+    assert ar.engine_args.gpu_memory_utilization == 0.5
+    assert ar.engine_args.max_model_len == 32768
+    assert ar.engine_args.devices == "0"
     assert ar.default_sampling_params == {
         "temperature": 0.9,
         "top_p": 0.75,
@@ -255,3 +257,71 @@ def test_key_problems_and_topology_problems_come_in_one_report():
     assert any("tempreature" in p for p in problems)
     assert any("input source 3 is not a stage" in p for p in problems)
     assert any("guidance_scale" in p for p in problems)
+
+
+# Config hashes computed before engine args became a typed StageEngineArgs: the canonical JSON (and so the
+# hash in fingerprints and recorded history) must not change with the engine's internals. The model
+# identity is pinned so library upgrades (which change a built model's identity) leave these alone.
+PINNED_PRESET_HASHES = {
+    "tiny-glm-image": ("glm-image", "a6ce9e432bc384bef22ef72a85e490b348c1c8ff477e04862df194528d0ebfda"),
+    "tiny-glm-shapes": ("glm-image", "8044263d4b75ad4dc279216adb0429893abf820fb8b67e12f4adde9a4f25d568"),
+    "tiny-chat": ("chat", "877bcc741684e4932544d255ad112ae142ae7d1e83d13857c83c1df8899ce36c"),
+    "tiny-diffusion": ("diffusion", "632bde1dbe796d4440d2dbb3b5e1693582c74de3f030121c6ef7e041bc8ce9d8"),
+    "glm-image-1gpu": ("glm-image", "25d41fb96a2f6d33ac125b38a88fab9cac950db54f89acebcdff0015720bd768"),
+    "glm-image-2gpu": ("glm-image", "8288d26d4b31af0ee918669a0bea95a69c593f0b9545c2670204cca75ceb38b8"),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PINNED_PRESET_HASHES))
+def test_config_hash_of_each_preset_is_pinned(preset):
+    family_name, expected = PINNED_PRESET_HASHES[preset]
+    family = get_family(family_name)
+    deploy, problems = parse_deploy_file(DEPLOY_PRESETS_DIR / f"{preset}.yaml")
+    config = resolve_pipeline_config(
+        deploy, family.name, family.templates, preset, f"builtin:{preset}:pinned", prior_problems=problems
+    )
+    assert config.config_hash() == expected
+
+
+def test_config_hash_with_explicit_nulls_and_overrides_is_pinned():
+    """A deploy file's ``null`` stays in the resolved config (and its hash) while runners use defaults."""
+    deploy, problems = parse_deploy_config(
+        {
+            "async_chunk": True,
+            "stages": [
+                {
+                    "stage_id": 0,
+                    "devices": 0,
+                    "max_num_seqs": None,
+                    "enforce_eager": None,
+                    "max_model_len": 4096,
+                    "dtype": "bfloat16",
+                },
+                {"stage_id": 1, "devices": "cpu", "gpu_memory_utilization": 0.5, "tensor_parallel_size": 2},
+            ],
+        }
+    )
+    config = resolve_pipeline_config(deploy, GLM.name, GLM.templates, "x", "id", prior_problems=problems)
+    assert (
+        config.canonical_json()
+        == '{"async_chunk":true,"family":"glm-image","model":{"identity":"id","name":"x"},"stages":[{"backend":"auto","default_sampling_params":{"detokenize":false,"max_tokens":16384},"engine_args":{"devices":"0","dtype":"bfloat16","enable_prefix_caching":false,"enforce_eager":null,"gpu_memory_utilization":0.9,"kv_cache_memory_bytes":null,"max_model_len":4096,"max_num_batched_tokens":null,"max_num_seqs":null,"pipeline_parallel_size":1,"tensor_parallel_size":1,"trust_remote_code":false},"engine_output_type":"token_ids","final_output":false,"final_output_type":null,"input_processor":null,"input_sources":[],"kind":"ar","stage_id":0},{"backend":"auto","default_sampling_params":{"guidance_scale":1.5,"height":1024,"num_inference_steps":50,"width":1024},"engine_args":{"devices":"cpu","dtype":"auto","enable_prefix_caching":false,"enforce_eager":true,"gpu_memory_utilization":0.5,"kv_cache_memory_bytes":null,"max_model_len":null,"max_num_batched_tokens":null,"max_num_seqs":1,"pipeline_parallel_size":1,"tensor_parallel_size":2,"trust_remote_code":false},"engine_output_type":"image","final_output":true,"final_output_type":"image","input_processor":"ar2diffusion","input_sources":[0],"kind":"diffusion","stage_id":1}]}'
+    )
+    assert config.config_hash() == "d568f4864821e73d82e31f63078a7a871257e56789dfa240ee9aca08f0865a76"
+    ar, dit = config.stages
+    assert ar.engine_args.max_num_seqs is None and ar.engine_args.batch_size == 1
+    assert ar.engine_args.placement.gpus == (0,) and dit.engine_args.placement.is_cpu
+    assert config.tensor_parallel_size == 2
+
+
+def test_shipped_shapes_model_config_hash_is_pinned():
+    """tiny-glm-shapes' files ship in the repository, so its full config hash (identity included) is stable."""
+    source = describe_model("tiny-glm-shapes")
+    assert source.identity == "builtin:tiny-glm-shapes:7ecf37a2c8e6"
+    assert (
+        build_pipeline_config(source, None).config_hash()
+        == "074f0a1404683b7a290ab04602c7007febbe16c6e1dc4631e9ad95f55852a52d"
+    )
+    assert (
+        build_pipeline_config(source, None, "vllm").config_hash()
+        == "74382e9f9fc167236e7d6424027a502af01d3377f0254b761b1335c57644d591"
+    )

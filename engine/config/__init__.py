@@ -16,8 +16,10 @@ from engine.config.loader import (
     read_deploy_yaml,
 )
 from engine.config.pipeline import (
+    DevicePlacement,
     PipelineConfig,
     ResolvedStage,
+    StageEngineArgs,
     StageTemplate,
     resolve_pipeline_config,
 )
@@ -27,10 +29,12 @@ __all__ = [
     "ConfigProblem",
     "DeployConfig",
     "DeployConfigError",
+    "DevicePlacement",
     "DiffusionSamplingParams",
     "PipelineConfig",
     "ResolvedStage",
     "StageConfig",
+    "StageEngineArgs",
     "StageTemplate",
     "load_deploy_config",
     "load_deploy_file",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
@@ -23,6 +24,7 @@ from engine.config.deploy import (
 )
 from engine.config.errors import ConfigProblem, DeployConfigError
 from engine.config.loader import problems_from_validation_error
+from engine.events import StageKind
 from engine.modality import (
     ModalityError,
     OutputModality,
@@ -36,20 +38,78 @@ PRODUCIBLE_BY_KIND: dict[str, tuple[OutputModality, ...]] = {
     "diffusion": (OutputModality.IMAGE, OutputModality.LATENT),
 }
 
-DEFAULT_ENGINE_ARGS: dict[str, Any] = {
-    "max_num_seqs": 1,
-    "gpu_memory_utilization": 0.9,
-    "enforce_eager": True,
-    "trust_remote_code": False,
-    "enable_prefix_caching": False,
-    "max_num_batched_tokens": None,
-    "max_model_len": None,
-    "devices": "auto",
-    "tensor_parallel_size": 1,
-    "pipeline_parallel_size": 1,
-    "kv_cache_memory_bytes": None,
-    "dtype": "auto",
-}
+
+@dataclass(frozen=True)
+class DevicePlacement:
+    """A stage's ``devices``, parsed: ``auto`` (GPU 0 if there is one, else the CPU), ``cpu``, or GPU indices."""
+
+    spec: str  # as written in the config: auto | cpu | '0' | '0,1'
+    gpus: tuple[int, ...] = ()  # the GPU indices named; empty for auto and cpu
+
+    @classmethod
+    def parse(cls, value: str | None) -> DevicePlacement:
+        spec = str(value or "auto")
+        if spec in ("auto", "cpu"):
+            return cls(spec)
+        return cls(spec, tuple(int(d) for d in spec.split(",")))
+
+    @property
+    def is_auto(self) -> bool:
+        return self.spec == "auto"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.spec == "cpu"
+
+
+@dataclass(frozen=True)
+class StageEngineArgs:
+    """A stage's engine args (vLLM names), with the defaults a stage gets when nothing sets them.
+
+    Fields hold what the config says (``None`` where a deploy file wrote ``null``), so the resolved
+    config, and its hash, record exactly what was asked for; the properties give the values runners use.
+    """
+
+    max_num_seqs: int | None = 1
+    gpu_memory_utilization: float | None = 0.9
+    enforce_eager: bool | None = True
+    trust_remote_code: bool | None = False
+    enable_prefix_caching: bool | None = False
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    devices: str | None = "auto"
+    tensor_parallel_size: int | None = 1
+    pipeline_parallel_size: int | None = 1
+    kv_cache_memory_bytes: int | None = None
+    dtype: str | None = "auto"
+
+    @cached_property
+    def placement(self) -> DevicePlacement:
+        return DevicePlacement.parse(self.devices)
+
+    @property
+    def batch_size(self) -> int:
+        """Requests a stage runs at once (``max_num_seqs``)."""
+        return int(self.max_num_seqs or 1)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return int(self.tensor_parallel_size or 1)
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return int(self.pipeline_parallel_size or 1)
+
+    @property
+    def dtype_name(self) -> str:
+        return self.dtype or "auto"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+ENGINE_ARG_FIELDS = tuple(f.name for f in fields(StageEngineArgs))
+assert set(ENGINE_ARG_FIELDS) == set(ENGINE_ARG_KEYS), "StageEngineArgs and StageConfig disagree"
 
 
 @dataclass(frozen=True)
@@ -64,7 +124,7 @@ class StageTemplate:
     final_output_type: str | None = None
     input_processor: str | None = None
     backend: str = "auto"
-    engine_args: dict[str, Any] = field(default_factory=dict)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # overrides of StageEngineArgs' defaults
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,14 +133,14 @@ class ResolvedStage:
     """A stage with nothing left to defaults."""
 
     stage_id: int
-    kind: str
+    kind: StageKind
     input_sources: tuple[int, ...]
     engine_output_type: str
     final_output: bool
     final_output_type: str | None
     input_processor: str | None
     backend: str
-    engine_args: dict[str, Any]
+    engine_args: StageEngineArgs
     default_sampling_params: dict[str, Any]
 
     @property
@@ -93,6 +153,7 @@ class ResolvedStage:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["kind"] = self.kind.value  # a plain string, as YAML and JSON writers expect
         data["input_sources"] = list(self.input_sources)
         return data
 
@@ -157,18 +218,18 @@ class PipelineConfig:
                 parts.append(f"processor={s.input_processor}")
             if s.kind == "ar":
                 parts.append(f"backend={s.backend}")
-            parts.append(f"devices={s.engine_args.get('devices')}")
-            parts.append(f"max_num_seqs={s.engine_args.get('max_num_seqs')}")
+            parts.append(f"devices={s.engine_args.devices}")
+            parts.append(f"max_num_seqs={s.engine_args.max_num_seqs}")
             lines.append("  " + "  ".join(parts))
         return "\n".join(lines)
 
     @property
     def tensor_parallel_size(self) -> int:
-        return max(int(s.engine_args.get("tensor_parallel_size") or 1) for s in self.stages)
+        return max(s.engine_args.tensor_parallel for s in self.stages)
 
     @property
     def pipeline_parallel_size(self) -> int:
-        return max(int(s.engine_args.get("pipeline_parallel_size") or 1) for s in self.stages)
+        return max(s.engine_args.pipeline_parallel for s in self.stages)
 
 
 def _merge_stage(
@@ -206,10 +267,12 @@ def _merge_stage(
     input_processor = pick("input_processor", base_topology.get("input_processor"))
     backend = pick("backend", base_topology.get("backend", "auto"))
 
-    engine_args = dict(DEFAULT_ENGINE_ARGS)
-    if template:
-        engine_args.update(template.engine_args)
-    engine_args.update({k: overrides[k] for k in ENGINE_ARG_KEYS if k in overrides})
+    engine_args = StageEngineArgs(
+        **{
+            **(template.engine_args if template else {}),
+            **{k: overrides[k] for k in ENGINE_ARG_KEYS if k in overrides},
+        }
+    )
 
     sampling = dict(template.default_sampling_params) if template else {}
     sampling.update(overrides.get("default_sampling_params") or {})
@@ -251,7 +314,7 @@ def _merge_stage(
 
     return ResolvedStage(
         stage_id=sid,
-        kind=kind,
+        kind=StageKind(kind),
         input_sources=tuple(input_sources or ()),
         engine_output_type=engine_output_type if engine_output_type is not None else "text",
         final_output=bool(final_output),

@@ -543,24 +543,28 @@ class VllmARStage(StageRunner):
             "tokenizer": str(self.tokenizer_path) if self.tokenizer_path else None,
             "skip_tokenizer_init": self.skip_tokenizer_init,
             "dtype": str(self.torch_dtype).removeprefix("torch."),
-            "enforce_eager": bool(args.get("enforce_eager", True)),
+            "enforce_eager": bool(args.enforce_eager),
             "max_num_seqs": self.max_batch_size,
-            "enable_prefix_caching": bool(args.get("enable_prefix_caching") or False),
-            "trust_remote_code": bool(args.get("trust_remote_code") or False),
-            "tensor_parallel_size": int(args.get("tensor_parallel_size") or 1),
-            "pipeline_parallel_size": int(args.get("pipeline_parallel_size") or 1),
+            "enable_prefix_caching": bool(args.enable_prefix_caching),
+            "trust_remote_code": bool(args.trust_remote_code),
+            "tensor_parallel_size": args.tensor_parallel,
+            "pipeline_parallel_size": args.pipeline_parallel,
             "seed": 0,
             "disable_log_stats": True,
             "use_tqdm_on_load": False,  # the studio's own progress bars own the terminal
         }
-        for key in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
-            if args.get(key) is not None:
-                kwargs[key] = int(args[key])
+        for key, value in (
+            ("max_model_len", args.max_model_len),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
+        ):
+            if value is not None:
+                kwargs[key] = int(value)
         if self.device.type == "cpu":
             if kwargs.get("kv_cache_memory_bytes") is None:
                 kwargs["kv_cache_memory_bytes"] = self._default_kv_cache_bytes(kwargs.get("max_model_len"))
-        elif args.get("gpu_memory_utilization") is not None:
-            kwargs["gpu_memory_utilization"] = float(args["gpu_memory_utilization"])
+        elif args.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = float(args.gpu_memory_utilization)
         if self.worker_extension_cls:
             kwargs["worker_extension_cls"] = self.worker_extension_cls
         cls = AsyncEngineArgs if driver == "async" else EngineArgs
@@ -568,13 +572,12 @@ class VllmARStage(StageRunner):
 
     def visible_devices(self) -> dict[str, str]:
         """``CUDA_VISIBLE_DEVICES`` for vLLM's processes: the stage's ``devices`` (within any already set)."""
-        devices = str(self.stage.engine_args.get("devices") or "auto")
-        if self.device.type != "cuda" or devices in ("auto", "cpu"):
+        gpus = self.stage.engine_args.placement.gpus
+        if self.device.type != "cuda" or not gpus:
             return {}
-        wanted = [int(d) for d in devices.split(",")]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-        return {"CUDA_VISIBLE_DEVICES": ",".join(physical[i] for i in wanted)}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(physical[i] for i in gpus)}
 
     def _default_kv_cache_bytes(self, max_model_len: int | None) -> int:
         from transformers import AutoConfig

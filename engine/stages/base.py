@@ -97,11 +97,11 @@ class StageRunner(ABC):
 
     @property
     def max_batch_size(self) -> int:
-        return int(self.stage.engine_args.get("max_num_seqs") or 1)
+        return self.stage.engine_args.batch_size
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        name = self.stage.engine_args.get("dtype") or "auto"
+        name = self.stage.engine_args.dtype_name
         return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
     @abstractmethod

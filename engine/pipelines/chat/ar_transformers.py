@@ -35,7 +35,7 @@ class ChatARStage(TransformersARStage):
         inputs = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         ).to(self.device)
-        max_len = self.stage.engine_args.get("max_model_len") or self.model.config.max_position_embeddings
+        max_len = self.stage.engine_args.max_model_len or self.model.config.max_position_embeddings
         prompt_len = int(inputs["input_ids"].shape[-1])
         max_new = int(job.params["max_tokens"])
         if prompt_len + max_new > int(max_len):
