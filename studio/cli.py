@@ -335,6 +335,8 @@ def write_outputs(result: Any, out: str | None, makes_images: bool) -> list[str]
     """Write a finished run's outputs; returns one line per file (or the text when there is no file)."""
     lines = []
     if makes_images:
+        if out is None:  # cmd_run refuses an image run without --out before it starts
+            raise UserError("--out FILE is required for images")
         images = result.images
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -297,6 +297,8 @@ class Studio:
         from engine import ChatTurn
         from studio.api.inputs import params_from_fields
 
+        if self.store is None:
+            raise RuntimeError("the studio runs without a run store")
         detail = self.store.get_run(run_id)
         params = dict(detail.parameters)
         fields = {

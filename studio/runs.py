@@ -10,9 +10,9 @@ wins, so a caller may record a more precise reason (e.g. "the client disconnecte
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from engine import GenerationRequest, OmniEngine, ResolvedRequest
 from engine.engine import EngineBusy, EngineClosed
@@ -130,13 +130,14 @@ class RunService:
         *,
         progress: bool = True,
         stopped: str = "stopped before the run finished",
-    ) -> AsyncIterator[EngineEvent]:
+    ) -> AsyncGenerator[EngineEvent, None]:
         """The engine's events for ``resolved``, recorded as they pass.
 
         A refused run raises :class:`RunRejected`; a run left before its terminal event (the iterator
         closed, an error) is recorded as cancelled with ``stopped``, and closing cancels the request.
         """
-        agen = engine.generate(resolved, progress=progress)
+        # OmniEngine.generate is an async generator (typed as an iterator): closing it cancels the request.
+        agen = cast(AsyncGenerator[EngineEvent, None], engine.generate(resolved, progress=progress))
         finished = False
         try:
             try:

@@ -16,11 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from engine import OmniEngine
 from engine.events import EngineEvent, StageFinished
@@ -37,6 +37,7 @@ from studio.runs import Recording, RunService
 from studio.store.files import OutputFiles
 
 log = logging.getLogger("omni_studio.api")
+ModelT = TypeVar("ModelT", bound=BaseModel)
 SHA_FILE = re.compile(r"^([0-9a-f]{64})\.png$")
 EDIT_INT_FIELDS = ("n", "seed", "num_inference_steps", "height", "width")
 EDIT_FLOAT_FIELDS = ("guidance_scale",)
@@ -197,7 +198,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
-def parse(model: type, data: dict[str, Any]):
+def parse(model: type[ModelT], data: dict[str, Any]) -> ModelT:
     try:
         return model.model_validate(data)
     except ValidationError as exc:

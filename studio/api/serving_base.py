@@ -13,7 +13,7 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,7 @@ class OpenAIServing:
 
     async def events(
         self, resolved: ResolvedRequest, tracker: RunTracking, *, stopped: str
-    ) -> AsyncIterator[EngineEvent]:
+    ) -> AsyncGenerator[EngineEvent, None]:
         """The engine's events for ``resolved``, recorded as they pass; a refused run becomes 429/503."""
         events = self.runs.events(self.engine, resolved, tracker, stopped=stopped)
         try:

@@ -21,7 +21,16 @@ from sqlalchemy.exc import IntegrityError
 
 from studio.store.errors import BundleError, StoreError
 from studio.store.files import extension
-from studio.store.models import ACTIVE_STATUSES, RUN_SOURCES, RUN_STATUSES, Output, Run, RunStage, utcnow
+from studio.store.models import (
+    ACTIVE_STATUSES,
+    RUN_SOURCES,
+    RUN_STATUSES,
+    Output,
+    Run,
+    RunStage,
+    table_of,
+    utcnow,
+)
 from studio.store.records import ImportResult, RunFilter, as_datetime, iso
 
 if TYPE_CHECKING:
@@ -152,17 +161,17 @@ def _insert_run(connection: Connection, run: dict[str, Any]) -> None:
         row["status"] = "interrupted"
         row["error"] = row["error"] or "interrupted: the run was still in progress when exported"
     row["request"], row["parameters"], row["owner"] = row["request"] or {}, row["parameters"] or {}, None
-    connection.execute(Run.__table__.insert(), row)
+    connection.execute(table_of(Run).insert(), row)
     stages = [{**{n: s.get(n) for n in STAGE_FIELDS}, "run_id": row["id"]} for s in run.get("stages") or []]
     for stage in stages:
         stage["started_at"], stage["finished_at"] = _when(stage["started_at"]), _when(stage["finished_at"])
     if stages:
-        connection.execute(RunStage.__table__.insert(), stages)
+        connection.execute(table_of(RunStage).insert(), stages)
     outputs = [
         {**{n: o.get(n) for n in OUTPUT_FIELDS}, "run_id": row["id"]} for o in run.get("outputs") or []
     ]
     if outputs:
-        connection.execute(Output.__table__.insert(), outputs)
+        connection.execute(table_of(Output).insert(), outputs)
 
 
 def import_bundle(store: RunStore, path: Path) -> ImportResult:

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -157,3 +158,11 @@ class Output(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
 
     run: Mapped[Run] = relationship(back_populates="outputs")
+
+
+def table_of(model: type[Base]) -> Table:
+    """The Core table of a mapped class (the stubs type ``__table__`` as a generic ``FromClause``)."""
+    table = model.__table__
+    if not isinstance(table, Table):
+        raise TypeError(f"{model.__name__} is not mapped to a table")
+    return table

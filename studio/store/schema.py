@@ -60,7 +60,7 @@ def create_store_engine(url: str) -> Engine:
         parsed = parsed.set(drivername="postgresql+psycopg")  # the driver we ship (psycopg 3)
     if parsed.get_backend_name() == "sqlite":
         memory = parsed.database in (None, "", ":memory:")
-        if not memory:
+        if parsed.database and not memory:
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
         kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False}}
         if memory:
@@ -90,6 +90,14 @@ def head_revision() -> str:
     return head
 
 
+def _sqlite_pragma(connection: Connection, pragma: str) -> None:
+    """Run a PRAGMA on the DBAPI connection itself (outside any transaction SQLAlchemy would open)."""
+    driver = connection.connection.driver_connection
+    if driver is None:  # only after the connection was invalidated
+        raise RuntimeError("the SQLite connection is closed")
+    driver.execute(pragma)
+
+
 @contextmanager
 def _migration_connection(engine: Engine) -> Iterator[Connection]:
     """A connection holding the database's write lock for the whole migration.
@@ -100,7 +108,7 @@ def _migration_connection(engine: Engine) -> Iterator[Connection]:
     with engine.connect() as connection:
         sqlite = engine.dialect.name == "sqlite"
         if sqlite:
-            connection.connection.driver_connection.execute("PRAGMA foreign_keys = OFF")
+            _sqlite_pragma(connection, "PRAGMA foreign_keys = OFF")
         try:
             connection.execution_options(omni_write=True)
             with connection.begin():
@@ -109,7 +117,7 @@ def _migration_connection(engine: Engine) -> Iterator[Connection]:
                 yield connection
         finally:
             if sqlite:
-                connection.connection.driver_connection.execute("PRAGMA foreign_keys = ON")
+                _sqlite_pragma(connection, "PRAGMA foreign_keys = ON")
 
 
 def current_revision(engine: Engine) -> str | None:

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, select
+from sqlalchemy import ColumnElement, Connection, Engine, bindparam, delete, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, joinedload, selectinload
@@ -41,6 +41,7 @@ from studio.store.models import (
     Output,
     Run,
     RunStage,
+    table_of,
     utcnow,
 )
 from studio.store.records import (
@@ -65,7 +66,8 @@ INTERRUPTED_ERROR = (
     "interrupted: the process recording this run stopped (crash, kill or power loss) before the run "
     "finished; marked when the run store was next opened"
 )
-_runs, _stages, _outputs = Run.__table__, RunStage.__table__, Output.__table__
+_runs, _stages, _outputs = table_of(Run), table_of(RunStage), table_of(Output)
+_snapshots = table_of(ConfigSnapshot)
 _MARK_RUNNING = (
     _runs.update()
     .where(_runs.c.id == bindparam("p_id"), _runs.c.status == "queued")
@@ -293,7 +295,7 @@ class RunStore:
         dead = [o for o in owners if not self.owner_alive(o)]
         if not dead:
             return 0
-        condition = _runs.c.owner.in_([o for o in dead if o is not None])
+        condition: ColumnElement[bool] = _runs.c.owner.in_([o for o in dead if o is not None])
         if None in dead:
             condition = condition | _runs.c.owner.is_(None)
         with self._write() as connection:
@@ -307,15 +309,16 @@ class RunStore:
     # recording ------------------------------------------------------------------------------------
 
     def _snapshot_insert(self) -> Any:
-        table = ConfigSnapshot.__table__
-        if self.dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert as dialect_insert
-        elif self.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as dialect_insert
-        else:
-            return None
         # Concurrent processes may snapshot the same config; the first wins, the rest are no-ops.
-        return dialect_insert(table).on_conflict_do_nothing()
+        if self.dialect == "sqlite":
+            from sqlalchemy.dialects import sqlite
+
+            return sqlite.insert(_snapshots).on_conflict_do_nothing()
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects import postgresql
+
+            return postgresql.insert(_snapshots).on_conflict_do_nothing()
+        return None
 
     def _upsert_snapshot(
         self,
@@ -326,7 +329,8 @@ class RunStore:
     ) -> None:
         if config_hash in self._known_snapshots:
             return
-        model = body.get("model") if isinstance(body.get("model"), Mapping) else {}
+        found = body.get("model")
+        model: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
         values = {
             "hash": config_hash,
             "body": jsonable(dict(body)),
@@ -337,7 +341,7 @@ class RunStore:
         if self._upsert_snapshot_statement is not None:
             connection.execute(self._upsert_snapshot_statement, values)
         elif connection.scalar(select(ConfigSnapshot.hash).where(ConfigSnapshot.hash == config_hash)) is None:
-            connection.execute(ConfigSnapshot.__table__.insert(), values)
+            connection.execute(_snapshots.insert(), values)
 
     def create_run(
         self,
@@ -381,7 +385,7 @@ class RunStore:
             "owner": self.owner,
         }
         with self._write() as connection:
-            if config is not None:
+            if config is not None and config_hash is not None:  # the hash is computed above
                 self._upsert_snapshot(connection, config_hash, config)
             connection.execute(_runs.insert(), row)
         if config_hash is not None and config is not None:
@@ -672,7 +676,9 @@ class RunStore:
                     if index == 0:
                         thumbs[run_id] = sha
         return [
-            RunSummary(*row, image_count=counts.get(row.id, 0), thumbnail_sha256=thumbs.get(row.id))
+            RunSummary(
+                **row._asdict(), image_count=counts.get(row.id, 0), thumbnail_sha256=thumbs.get(row.id)
+            )
             for row in rows
         ]
 

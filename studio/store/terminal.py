@@ -118,7 +118,7 @@ def format_run_detail(run: RunDetail) -> str:
         lines += ["  " + line for line in body.splitlines()]
     if run.outputs:
         lines.append("outputs")
-        rows = [
+        output_rows: list[tuple[Any, ...]] = [
             (
                 o.kind,
                 o.index,
@@ -130,7 +130,8 @@ def format_run_detail(run: RunDetail) -> str:
             for o in run.outputs
         ]
         lines += [
-            "  " + line for line in table(("KIND", "#", "SIZE", "BYTES", "SHA256", "FILE"), rows).splitlines()
+            "  " + line
+            for line in table(("KIND", "#", "SIZE", "BYTES", "SHA256", "FILE"), output_rows).splitlines()
         ]
     if run.text:
         lines.append("text")

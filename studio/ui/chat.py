@@ -267,11 +267,12 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             elif isinstance(event, (TokenProgress, DiffusionStep)):
                 stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
                 stage.update(step=event.step, total=event.total)
-                has_preview = isinstance(event, DiffusionStep) and event.preview is not None
+                preview = event.preview if isinstance(event, DiffusionStep) else None
+                has_preview = preview is not None
                 now = time.monotonic()
                 if has_preview or now - last_update >= UI_UPDATE_INTERVAL_S:
                     last_update = now
-                    preview_update = event.preview if has_preview else gr.skip()
+                    preview_update = preview if has_preview else gr.skip()
                     yield (
                         gr.skip(),
                         gr.skip(),
