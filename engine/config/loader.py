@@ -8,12 +8,13 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from engine.config.deploy import DeployConfig, StageConfig
 from engine.config.errors import ConfigProblem, DeployConfigError
 
 
-def _describe_error(error: dict[str, Any], model: type[BaseModel]) -> tuple[str, str]:
+def _describe_error(error: ErrorDetails, model: type[BaseModel]) -> tuple[str, str]:
     """(dotted key, message) for one pydantic error, with allowed keys named for unknown ones."""
     loc = [str(part) for part in error["loc"]]
     key = ".".join(loc)

@@ -156,13 +156,16 @@ def fit_source_image(image: Image.Image, multiple: int, max_side: int = 2048) ->
     scale = min(1.0, max_side / max(image.size))
     if scale < 1.0:
         image = image.resize(
-            (max(1, round(image.width * scale)), max(1, round(image.height * scale))), Image.BICUBIC
+            (max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+            Image.Resampling.BICUBIC,
         )
     width = max(multiple, image.width // multiple * multiple)
     height = max(multiple, image.height // multiple * multiple)
     if (width, height) != image.size:
         if image.width < width or image.height < height:
-            image = image.resize((max(width, image.width), max(height, image.height)), Image.BICUBIC)
+            image = image.resize(
+                (max(width, image.width), max(height, image.height)), Image.Resampling.BICUBIC
+            )
         left, top = (image.width - width) // 2, (image.height - height) // 2
         image = image.crop((left, top, left + width, top + height))
     return image

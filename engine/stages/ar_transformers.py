@@ -15,7 +15,7 @@ import threading
 import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -90,7 +90,11 @@ class _StreamHook(StoppingCriteria):
                 )
             )
         stop = self.job.cancelled
-        return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+        # torch annotates every tensor as Tensor; BoolTensor is the name transformers' signature uses.
+        return cast(
+            torch.BoolTensor,
+            torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device),
+        )
 
 
 class TransformersARStage(StageRunner):

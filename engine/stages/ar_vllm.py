@@ -279,7 +279,8 @@ class _InprocDriver(_Driver):
         with _INPROC_LOCK:
             _INPROC_ENGINES.discard(self)
             last = not _INPROC_ENGINES
-        client = self.engine.engine_core
+        # The in-process client's private parts: vLLM offers no public way to release one engine only.
+        client: Any = self.engine.engine_core
         try:
             if last:
                 client.shutdown()
@@ -343,15 +344,15 @@ class _InprocDriver(_Driver):
                 self.live.clear()
                 continue
             for output in outputs:
-                live = self.live.get(output.request_id)
-                if live is None:
+                request = self.live.get(output.request_id)
+                if request is None:
                     continue
                 try:
-                    live.on_output(output)
+                    request.on_output(output)
                 except Exception as exc:
                     self.engine.abort_request([output.request_id])
-                    live.finish(StageStatus.FAILED, exc)
-                if output.finished or live.finished:
+                    request.finish(StageStatus.FAILED, exc)
+                if output.finished or request.finished:
                     self.live.pop(output.request_id, None)
 
 
@@ -584,7 +585,7 @@ class VllmARStage(StageRunner):
 
         config = AutoConfig.from_pretrained(self.vllm_model_path)
         text = config.get_text_config()
-        length = int(max_model_len or getattr(text, "max_position_embeddings", 4096))
+        length = max_model_len or int(getattr(text, "max_position_embeddings", 4096))
         return default_cpu_kv_cache_bytes(text, self.torch_dtype, self.max_batch_size, length)
 
     def load(self) -> None:
@@ -592,7 +593,7 @@ class VllmARStage(StageRunner):
         self.driver_name = choose_driver(self.device)
         try:
             engine_args = self.engine_args(self.driver_name)
-            if self.driver_name == "async":
+            if isinstance(engine_args, AsyncEngineArgs):  # the async driver
                 # The engine core starts in a child process: it sees only the stage's GPUs.
                 with _environ(**self.visible_devices()):
                     self.driver = _AsyncDriver(engine_args, f"stage{self.stage_id}")

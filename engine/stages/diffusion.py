@@ -28,6 +28,13 @@ class DiffusersStage(StageRunner):
     backend = "diffusers"
     pipe: DiffusionPipeline | None = None
 
+    @property
+    def pipeline(self) -> DiffusionPipeline:
+        """The loaded pipeline (an error before ``load`` and after ``close``)."""
+        if self.pipe is None:
+            raise RuntimeError(f"stage {self.stage_id}: the diffusers pipeline is not loaded")
+        return self.pipe
+
     @abstractmethod
     def load_pipeline(self) -> DiffusionPipeline:
         """Load the pipeline's components from ``self.model_path``."""
@@ -65,7 +72,7 @@ class DiffusersStage(StageRunner):
 
     def latents_to_images(self, latents: torch.Tensor) -> list[Image.Image]:
         """Decode latents the way the pipeline does at the end (used for previews)."""
-        pipe = self.pipe
+        pipe = self.pipeline
         vae = pipe.vae
         latents = latents.to(vae.dtype)
         scaling = getattr(vae.config, "scaling_factor", 1.0) or 1.0
@@ -102,7 +109,7 @@ class DiffusersStage(StageRunner):
         generators = [torch.Generator(device="cpu").manual_seed(int(job.params["seed"])) for job in live]
         kwargs = self.call_kwargs(live)
         with torch.inference_mode():
-            result = self.pipe(
+            result = self.pipeline(
                 **kwargs,
                 num_inference_steps=total,
                 generator=generators[0] if len(generators) == 1 else generators,

@@ -7,7 +7,7 @@ The folder layout is the real checkpoint's (``vision_language_encoder/``, ``proc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from diffusers import (
@@ -129,10 +129,15 @@ def ar_config(
             "num_embeddings": codes,
             "latent_channels": vision["hidden_size"],
         },
-        image_token_id=tok.convert_tokens_to_ids(IMAGE_TOKEN),
-        image_start_token_id=tok.convert_tokens_to_ids(IMAGE_START),
-        image_end_token_id=tok.convert_tokens_to_ids(IMAGE_END),
+        image_token_id=_token_id(tok, IMAGE_TOKEN),
+        image_start_token_id=_token_id(tok, IMAGE_START),
+        image_end_token_id=_token_id(tok, IMAGE_END),
     )
+
+
+def _token_id(tok: PreTrainedTokenizerFast, token: str) -> int:
+    """One token's id (``convert_tokens_to_ids`` of a single string is an int)."""
+    return cast(int, tok.convert_tokens_to_ids(token))
 
 
 def build_glyph_encoder(recipe: dict[str, Any]) -> T5EncoderModel:
@@ -191,7 +196,7 @@ def save_glm_image(
     )
     if dtype != torch.float32:
         for module in (transformer, vae, glyph_encoder):
-            module.to(dtype)
+            module.to(dtype)  # type: ignore[arg-type]  # transformers types the wrapped `to` as unbound
     pipe.save_pretrained(out_dir)
     return Path(out_dir)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +68,16 @@ def source_grid_key(prompt_token_ids: Iterable[int]) -> bytes:
     return hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
 
 
-def register_source_grids(prompt_token_ids: Iterable[int], grids: list[tuple[int, int, int]]) -> None:
+def _grid(values: Sequence[int]) -> tuple[int, int, int]:
+    t, h, w = (int(x) for x in values)
+    return t, h, w
+
+
+def register_source_grids(prompt_token_ids: Iterable[int], grids: Iterable[Sequence[int]]) -> None:
     """Remember the (t, h, w) grids of the source images in this prompt (I2I)."""
     with _SOURCE_GRIDS_LOCK:
         key = source_grid_key(prompt_token_ids)
-        _SOURCE_GRIDS[key] = [tuple(int(x) for x in g) for g in grids]
+        _SOURCE_GRIDS[key] = [_grid(g) for g in grids]
         _SOURCE_GRIDS.move_to_end(key)
         while len(_SOURCE_GRIDS) > _SOURCE_GRIDS_LIMIT:
             _SOURCE_GRIDS.popitem(last=False)
@@ -87,7 +92,7 @@ class GlmImageWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``): lets the caller pass I2I source grids."""
 
     def register_glm_image_source_grids(self, prompt_token_ids: list[int], grids: list[list[int]]) -> bool:
-        register_source_grids(prompt_token_ids, [tuple(g) for g in grids])
+        register_source_grids(prompt_token_ids, grids)
         return True
 
 
@@ -160,6 +165,8 @@ def _load_tokenizer(vllm_config: VllmConfig) -> Any:
 class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
     """GLM-Image's AR text decoder (the vision tower and VQ stay outside: I2I codes come in the prompt)."""
 
+    decode_positions: torch.Tensor  # a registered buffer (nn.Module's __getattr__ is typed Tensor | Module)
+
     packed_modules_mapping = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
@@ -185,7 +192,7 @@ class GlmImageForConditionalGeneration(nn.Module, SupportsMRoPE, SupportsPP):
         text_vllm_config = vllm_config.with_hf_config(text_config, architectures=["Glm4ForCausalLM"])
         self.model = GlmImageTextModel(vllm_config=text_vllm_config, prefix=maybe_prefix(prefix, "model"))
         if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(
+            self.lm_head: ParallelLMHead | PPMissingLayer = ParallelLMHead(
                 self.vision_vocab_size,
                 text_config.hidden_size,
                 quant_config=vllm_config.quant_config,

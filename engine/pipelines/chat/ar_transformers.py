@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from engine.request import RequestError
 from engine.stages.ar_transformers import ARInputs, TransformersARStage
 from engine.stages.base import StageJob
+
+if TYPE_CHECKING:
+    from transformers import BatchEncoding
 
 
 class ChatARStage(TransformersARStage):
@@ -18,7 +23,7 @@ class ChatARStage(TransformersARStage):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = (
             AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.torch_dtype)
-            .to(self.device)
+            .to(self.device)  # type: ignore[arg-type]  # transformers types the wrapped `to` as unbound
             .eval()
         )
         self.loaded = True
@@ -28,13 +33,14 @@ class ChatARStage(TransformersARStage):
         super().close()
 
     def decode(self, ids: torch.Tensor) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one string
 
     def prepare(self, job: StageJob) -> ARInputs:
         messages = [{"role": turn.role, "content": turn.text} for turn in job.inputs["messages"]]
-        inputs = self.tokenizer.apply_chat_template(
+        encoded = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        ).to(self.device)
+        )
+        inputs = cast("BatchEncoding", encoded).to(self.device)  # return_dict=True: a BatchEncoding
         max_len = self.stage.engine_args.max_model_len or self.model.config.max_position_embeddings
         prompt_len = int(inputs["input_ids"].shape[-1])
         max_new = int(job.params["max_tokens"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from PIL import Image
@@ -12,7 +12,7 @@ from engine.stages.ar_transformers import ARInputs, TransformersARStage
 from engine.stages.base import StageJob
 
 if TYPE_CHECKING:
-    from transformers import GlmImageProcessor
+    from transformers import BatchFeature, GlmImageProcessor
 
 AR_COMPONENT = "vision_language_encoder"
 PROCESSOR_COMPONENT = "processor"
@@ -31,7 +31,7 @@ class GlmImageARStage(TransformersARStage):
             GlmImageForConditionalGeneration.from_pretrained(
                 self.model_path / AR_COMPONENT, dtype=self.torch_dtype
             )
-            .to(self.device)
+            .to(self.device)  # type: ignore[arg-type]  # transformers types the wrapped `to` as unbound
             .eval()
         )
         self.loaded = True
@@ -48,14 +48,16 @@ class GlmImageARStage(TransformersARStage):
         if image is not None:
             content.append({"type": "image", "image": image})
         content.append({"type": "text", "text": job.inputs["prompt"]})
-        inputs = self.processor.apply_chat_template(
-            [[{"role": "user", "content": content}]],
+        conversation: list[list[dict[str, Any]]] = [[{"role": "user", "content": content}]]
+        encoded = self.processor.apply_chat_template(
+            conversation,
             tokenize=True,
             target_h=height,
             target_w=width,
             return_dict=True,
             return_tensors="pt",
-        ).to(self.device)
+        )
+        inputs = cast("BatchFeature", encoded).to(self.device)  # return_dict=True: a BatchFeature
         layout = grid_layout(height, width, text_to_image=image is None)
         extras: dict[str, Any] = {}
         if image is not None:

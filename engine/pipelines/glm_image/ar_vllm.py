@@ -37,7 +37,7 @@ class VllmGlmImageARStage(VllmARStage):
 
         register()
         self.reference = GlmImageARStage(self.stage, self.model_path, self.device)
-        self.reference.processor = _load_processor(self.tokenizer_path)
+        self.reference.processor = _load_processor(self.model_path / PROCESSOR_COMPONENT)
         self.reference.model = _load_vision_encoder(self.vllm_model_path, self.torch_dtype, self.device)
         self.image_token_id = int(self.reference.model.config.image_token_id)
 
@@ -58,7 +58,7 @@ class VllmGlmImageARStage(VllmARStage):
         return VllmPrompt(input_ids.tolist(), prepared.max_new_tokens, extras, grids)
 
 
-def _load_processor(path: Path | None) -> Any:
+def _load_processor(path: Path) -> Any:
     from transformers import GlmImageProcessor
 
     return GlmImageProcessor.from_pretrained(path)

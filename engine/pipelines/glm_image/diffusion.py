@@ -25,12 +25,12 @@ class GlmImageDiffusionStage(DiffusersStage):
         )
 
     def latents_to_images(self, latents: torch.Tensor) -> list[Image.Image]:
-        vae = self.pipe.vae
+        vae = self.pipeline.vae
         channels = vae.config.latent_channels
         mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1).to(latents)
         std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1).to(latents)
         image = vae.decode((latents * std + mean).to(vae.dtype), return_dict=False)[0]
-        return self.pipe.image_processor.postprocess(image, output_type="pil")
+        return self.pipeline.image_processor.postprocess(image, output_type="pil")
 
     def call_kwargs(self, jobs: list[StageJob]) -> dict[str, Any]:
         first = jobs[0]
@@ -44,8 +44,8 @@ class GlmImageDiffusionStage(DiffusersStage):
         negative = first.params.get("negative_prompt")
         if negative and kwargs["guidance_scale"] > 1:
             # GLM-Image's glyph encoder sees quoted text only; the default negative is "".
-            embeds = self.pipe._get_glyph_embeds(
-                [negative] * len(jobs), device=self.device, dtype=self.pipe.dtype
+            embeds = self.pipeline._get_glyph_embeds(
+                [negative] * len(jobs), device=self.device, dtype=self.pipeline.dtype
             )
             kwargs["negative_prompt_embeds"] = embeds
         if first.inputs.get("prior_token_image_ids") is not None:  # I2I (never batched)
