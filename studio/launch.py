@@ -72,11 +72,12 @@ def close_recorder(recorder: RunRecorder) -> None:
 
 def serving_options(settings: StudioSettings) -> ServingOptions:
     from studio.api.app import ServingOptions
+    from studio.api.fingerprint import FingerprintSettings
 
     return ServingOptions(
         served_model_name=settings.served_model_name,
         api_key=settings.api_key,
-        fingerprint=settings.fingerprint,
+        fingerprint=settings.fingerprint or FingerprintSettings(),
         data_dir=settings.data_dir,
     )
 

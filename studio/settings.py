@@ -7,18 +7,12 @@ parsed arguments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from studio.api.fingerprint import FingerprintSettings
-
-
-def _default_fingerprint() -> FingerprintSettings:
-    from studio.api.fingerprint import FingerprintSettings
-
-    return FingerprintSettings()
 
 
 @dataclass(frozen=True)
@@ -35,7 +29,9 @@ class StudioSettings:
     share: bool = False
     auth: tuple[str, str] | None = None  # UI login (USER, PASS)
     api_key: str | None = None
-    fingerprint: FingerprintSettings = field(default_factory=_default_fingerprint)
+    # Checked by the CLI for the serving commands; None: the default mode (full). Not imported here: the
+    # API package is not needed by the commands that do not serve (history, validate).
+    fingerprint: FingerprintSettings | None = None
     db_url: str | None = None  # SQLAlchemy URL of the run store; None: SQLite in the data dir
 
     def deploy_text(self) -> str | None:
