@@ -42,7 +42,6 @@ from engine.events import (
     RunFinished,
     RunOutput,
     StageFinished,
-    StageKind,
     StageStarted,
     StageStatus,
 )
@@ -513,9 +512,7 @@ class OmniEngine:
             else int(job.params.get("num_inference_steps") or 0)
         )
         job.scratch["queue_seconds"] = started - ticket.enqueued_at
-        job.emit(
-            StageStarted(job.request_id, job.index, stage.stage_id, kind=StageKind(stage.kind), total=total)
-        )
+        job.emit(StageStarted(job.request_id, job.index, stage.stage_id, kind=stage.kind, total=total))
 
     def _job_done(
         self,
@@ -532,8 +529,8 @@ class OmniEngine:
                 handle.request_id,
                 variant.index,
                 stage.stage_id,
-                kind=StageKind(stage.kind),
-                status=StageStatus(status),
+                kind=stage.kind,
+                status=status,
                 started_at=started,
                 finished_at=finished,
                 queue_seconds=float(job.scratch.get("queue_seconds", max(0.0, started - ticket.enqueued_at))),
