@@ -7,6 +7,10 @@ repetition penalty, min/max tokens, stop ids, ``ignore_eos``, allowed ids) and `
 every delta adds token ids and/or text to the job and reports progress; a cancelled job aborts its
 request, which frees its slot at once.
 
+This module is the family-independent part (sampling translation, drivers, threads, the
+:class:`VllmARStage` base); each model family's runner subclasses it in
+``engine/pipelines/<family>/ar_vllm.py`` and says how a job becomes a prompt.
+
 Two ways to drive vLLM, same behaviour (see ``docs/vllm.md``):
 
 * ``inproc`` (default on CPU): vLLM's ``LLMEngine`` with the engine core in this process, stepped by
