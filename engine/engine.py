@@ -109,7 +109,10 @@ def build_pipeline_config(
     deploy: DeployConfig | dict | str | Path | None = None,
     ar_backend: str | None = None,
 ) -> PipelineConfig:
-    """Validate ``deploy`` (a model, a parsed YAML mapping or a path) against ``source``'s family."""
+    """Validate ``deploy`` (a model, a parsed YAML document or a path) against ``source``'s family.
+
+    A parsed document that is not a mapping (YAML ``true``, a list...) is reported as a config problem.
+    """
     label = None
     problems: list[ConfigProblem] = []
     if deploy is None and source.default_deploy_path is not None:
@@ -117,7 +120,7 @@ def build_pipeline_config(
     if isinstance(deploy, (str, Path)):
         label = str(deploy)
         deploy, problems = parse_deploy_file(deploy)
-    elif isinstance(deploy, dict):
+    elif deploy is not None and not isinstance(deploy, DeployConfig):
         deploy, problems = parse_deploy_config(deploy)
     config = resolve_pipeline_config(
         deploy,
