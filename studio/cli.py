@@ -16,6 +16,7 @@ from engine.paths import default_data_dir
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
 from studio.errors import StartupError, UserError
 from studio.launch import tune_interpreter
+from studio.limits import InputLimits
 from studio.settings import StudioSettings
 
 FINGERPRINT_MODES = ("full", "hash", "custom", "none")
@@ -71,6 +72,17 @@ def _shared_options(defaults: bool = True) -> argparse.ArgumentParser:
     s.add_argument(
         "--fingerprint-value", default=_d(None), help="the literal fingerprint for --fingerprint-mode custom"
     )
+    limits = shared.add_argument_group(
+        "limits on requests (over a limit: 400/413 naming the field and the limit)"
+    )
+    for name, default, help_text in InputLimits.options():
+        limits.add_argument(
+            InputLimits.flag(name),
+            type=int,
+            default=_d(default),
+            metavar="N",
+            help=f"{help_text} (default {default})",
+        )
     d = shared.add_argument_group("storage")
     d.add_argument(
         "--db",
@@ -178,6 +190,13 @@ def _model_arg(args: argparse.Namespace) -> str | None:
     return getattr(args, "model_arg", None) or args.model
 
 
+def limits_from_args(args: argparse.Namespace) -> InputLimits:
+    try:
+        return InputLimits(**{name: getattr(args, name) for name, _, _ in InputLimits.options()})
+    except ValueError as exc:
+        raise UserError(str(exc)) from exc
+
+
 def settings_from_args(args: argparse.Namespace) -> StudioSettings:
     """The studio's settings, built once from the parsed command line (and the environment)."""
     auth: tuple[str, str] | None = None
@@ -201,6 +220,7 @@ def settings_from_args(args: argparse.Namespace) -> StudioSettings:
         auth=auth,
         api_key=args.api_key,
         db_url=args.db,
+        limits=limits_from_args(args),
     )
     if args.command in SERVING_COMMANDS:  # refused before anything loads; a run serves no fingerprint
         from studio.api.fingerprint import FingerprintError, FingerprintSettings
@@ -284,8 +304,9 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
             ),
             image=image,
         )
+        runs = RunService(None, "cli", limits=settings.limits)
         try:
-            resolved = engine.resolve(request)
+            resolved = runs.resolve(engine, request)
         except RequestError as exc:
             raise UserError(str(exc)) from exc
         makes_images = OutputModality.IMAGE in resolved.modalities
@@ -293,7 +314,7 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
             raise UserError(f"--out FILE is required: {engine.config.model_name} makes images")
         # Recorded like a run from the UI or the API (no fingerprint: nothing is served).
         recorder = open_recorder(settings)
-        runs = RunService(recorder, "cli", recorder.store.files)
+        runs = RunService(recorder, "cli", recorder.store.files, limits=settings.limits)
         cli_request = {k: v for k, v in vars(args).items() if v is not None and k in RUN_REQUEST_FIELDS}
         tracker = runs.start(
             engine, resolved, settings.served_model_name or engine.config.model_name, None, cli_request

@@ -91,7 +91,7 @@ class Studio:
         self.ar_backend = ar_backend
         self.deploy_text = deploy_text if deploy_text is not None else self.default_deploy_text(engine.model)
         files = store.files if store is not None else OutputFiles.in_data_dir(self.data_dir)
-        self.runs = RunService(recorder, "ui", files)
+        self.runs = RunService(recorder, "ui", files, limits=serving.options.limits)
         self.share = ShareInfo()
         self.base_url = ""
         self._apply_lock = threading.Lock()
@@ -264,7 +264,7 @@ class Studio:
     # -- runs from the UI -----------------------------------------------------------------------
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        return self.engine.resolve(request)
+        return self.runs.resolve(self.engine, request)
 
     async def run(
         self, resolved: ResolvedRequest, payload: dict[str, Any]

@@ -11,6 +11,7 @@ import logging
 import sys
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from studio.errors import StartupError
@@ -79,6 +80,7 @@ def serving_options(settings: StudioSettings) -> ServingOptions:
         api_key=settings.api_key,
         fingerprint=settings.fingerprint or FingerprintSettings(),
         data_dir=settings.data_dir,
+        limits=settings.limits,
     )
 
 
@@ -158,6 +160,18 @@ def launch_ui(settings: StudioSettings) -> int:
     if settings.share and auth is not None:
         studio.share.username, studio.share.password = auth
 
+    # What the UI may serve through /gradio_api/file=: only the run store's output files (the images it
+    # shows; Gradio copies them into its cache, and this lets it read them wherever the data dir is),
+    # never the rest of the data dir (built models, logs) nor the database, which is also blocked by name
+    # in case it lives among the outputs. Not the data dir itself: anyone with the UI (or, with --share,
+    # its login) could download runs.db and every file there.
+    store = recorder.store
+    outputs_dir = str(store.files.root.resolve())
+    blocked = []
+    if store.engine.dialect.name == "sqlite" and store.engine.url.database not in (None, "", ":memory:"):
+        database = str(Path(store.engine.url.database).resolve())
+        blocked = [database + suffix for suffix in ("", "-wal", "-shm", "-journal")]
+
     demo = build_ui(studio)
     demo.queue(default_concurrency_limit=4, max_size=64)
     app, local_url, share_url = demo.launch(
@@ -166,7 +180,8 @@ def launch_ui(settings: StudioSettings) -> int:
         share=settings.share,
         auth=auth,
         prevent_thread_lock=True,
-        allowed_paths=[str(settings.data_dir)],
+        allowed_paths=[outputs_dir],
+        blocked_paths=blocked,
         quiet=True,
         show_error=True,
         css=CSS,

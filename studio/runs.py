@@ -14,9 +14,10 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from engine import GenerationRequest, OmniEngine, ResolvedRequest
+from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.engine import EngineBusy, EngineClosed
 from engine.events import EngineEvent, RunFailed, RunFinished
+from studio.limits import InputLimits
 from studio.media import png_bytes
 from studio.store.files import PNG, OutputFiles
 
@@ -86,14 +87,36 @@ class RunService:
         source: str,
         files: OutputFiles | None = None,
         on_event: Callable[[EngineEvent], None] | None = None,
+        limits: InputLimits | None = None,
     ) -> None:
         self.recorder = recorder
         self.source = source
         self.files = files
         self.on_event = on_event
+        self.limits = limits or InputLimits()
 
     def resolve(self, engine: OmniEngine, request: GenerationRequest) -> ResolvedRequest:
-        """Defaults and checks applied (raises :class:`engine.RequestError` for a bad request)."""
+        """Defaults and checks applied (raises :class:`engine.RequestError` for a bad request).
+
+        Prompts longer than the prompt limit, or not valid Unicode text, are refused here, before the
+        engine tokenizes them (a long prompt costs every other client its prefill time).
+        """
+        limit = self.limits.max_prompt_chars
+        texts = [("prompt", request.prompt), ("negative_prompt", request.params.negative_prompt)]
+        texts += [("history", turn.text) for turn in request.history]
+        for name, text in texts:
+            if text is None:
+                continue
+            if len(text) > limit:
+                raise RequestError(
+                    name, f"is {len(text)} characters; the limit is {limit} (--max-prompt-chars)"
+                )
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+                raise RequestError(
+                    name, f"is not valid Unicode text (a lone surrogate at {exc.start})"
+                ) from None
         return engine.resolve(request)
 
     def start(

@@ -7,9 +7,11 @@ parsed arguments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from studio.limits import InputLimits
 
 if TYPE_CHECKING:
     from studio.api.fingerprint import FingerprintSettings
@@ -33,6 +35,7 @@ class StudioSettings:
     # API package is not needed by the commands that do not serve (history, validate).
     fingerprint: FingerprintSettings | None = None
     db_url: str | None = None  # SQLAlchemy URL of the run store; None: SQLite in the data dir
+    limits: InputLimits = field(default_factory=InputLimits)  # what a request may carry (--max-* flags)
 
     def deploy_text(self) -> str | None:
         """The deploy YAML the studio started with (shown and edited in the Pipeline tab)."""

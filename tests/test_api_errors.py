@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from studio.api.app import ServingOptions, ServingState, create_app
-from studio.api.inputs import InputLimits
+from studio.limits import InputLimits
 
 
 @pytest.fixture()

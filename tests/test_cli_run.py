@@ -88,6 +88,15 @@ def test_bad_inputs_are_usage_errors(tmp_path, capsys):
         == 2
     )
     assert "no such file" in capsys.readouterr().err
+    out = str(tmp_path / "y.png")
+    assert main(["run", "a long prompt", "--out", out, "--max-prompt-chars", "5", "--data-dir", data]) == 2
+    assert "prompt: is 13 characters; the limit is 5 (--max-prompt-chars)" in capsys.readouterr().err
+    assert main(["run", "bad \udcff byte", "--out", out, "--data-dir", data]) == 2  # argv's surrogateescape
+    assert "prompt: is not valid Unicode text" in capsys.readouterr().err
+    assert main(["run", "x", "--out", out, "--max-n", "0", "--data-dir", data]) == 2
+    assert "--max-n must be a positive integer" in capsys.readouterr().err
+    assert main(["run", "hi", "--model", "tiny-chat", "--height", "64", "--data-dir", data]) == 2
+    assert "height: tiny-chat (chat) has no diffusion stage" in capsys.readouterr().err
 
 
 def test_chat_model_streams_text(tmp_path):

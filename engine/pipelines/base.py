@@ -81,6 +81,7 @@ class PipelineFamily(ABC):
             seed = random_seed()
         stage_params: dict[int, dict[str, Any]] = {}
         given = request.params.to_dict()
+        self.check_fields_apply(given, config)
         for stage in config.stages:
             keys = AR_REQUEST_KEYS if stage.kind == "ar" else DIFFUSION_REQUEST_KEYS
             params = dict(stage.default_sampling_params)
@@ -91,6 +92,26 @@ class PipelineFamily(ABC):
         self.complete_params(request, config, stage_params)
         parameters = self.flat_parameters(request, seed, stage_params, modalities)
         return ResolvedRequest(request, seed, parameters, stage_params, tuple(modalities))
+
+    def check_fields_apply(self, given: dict[str, Any], config: PipelineConfig) -> None:
+        """A parameter no stage of this pipeline reads is an error, never silently dropped."""
+        kinds = {stage.kind for stage in config.stages}
+        for kind, keys in (("ar", AR_REQUEST_KEYS), ("diffusion", DIFFUSION_REQUEST_KEYS)):
+            if kind in kinds:
+                continue
+            unused = [key for key in keys if key in given]
+            if unused:
+                takes = [
+                    key
+                    for k, ks in (("ar", AR_REQUEST_KEYS), ("diffusion", DIFFUSION_REQUEST_KEYS))
+                    if k in kinds
+                    for key in ks
+                ]
+                raise RequestError(
+                    unused[0],
+                    f"{config.model_name} ({self.name}) has no {kind} stage, so {', '.join(unused)} does not "
+                    f"apply; it takes {', '.join([*takes, 'seed', 'n'])}",
+                )
 
     def prepare_source_image(self, image: Image.Image) -> Image.Image:
         """The source image as every stage will see it."""

@@ -24,15 +24,24 @@ from pydantic import BaseModel, ValidationError
 
 from engine import OmniEngine
 from engine.events import EngineEvent, StageFinished
+from studio.api.auth import (
+    TooManyFailures,
+    client_address,
+    limiter_for,
+    secrets_equal,
+    ui_login_configured,
+    ui_session_user,
+)
 from studio.api.errors import APIError, from_validation_error
 from studio.api.fingerprint import FingerprintSettings, system_fingerprint
-from studio.api.inputs import InputLimits, decode_image_bytes
+from studio.api.inputs import check_json_depth, check_json_text, decode_image_bytes
 from studio.api.metrics import APIMetrics
 from studio.api.protocol import ChatCompletionRequest, ImageGenerationRequest
 from studio.api.serving_base import ServingContext
 from studio.api.serving_chat import OpenAIServingChat
 from studio.api.serving_images import OpenAIServingImages
 from studio.api.serving_models import OpenAIServingModels
+from studio.limits import InputLimits
 from studio.runs import Recording, RunService
 from studio.store.files import OutputFiles
 
@@ -107,7 +116,9 @@ class ServingState:
             if isinstance(event, StageFinished):
                 metrics.observe_stage(event)
 
-        return RunService(self.recorder, self.source, self.files, on_event=observe)
+        return RunService(
+            self.recorder, self.source, self.files, on_event=observe, limits=self.options.limits
+        )
 
     def build_handlers(self) -> Handlers:
         """Apply the fingerprint mode, then build every handler over it (they cache what they read)."""
@@ -162,39 +173,67 @@ class ServingState:
         return handlers
 
     def check_api_key(self, request: Request) -> None:
+        """401 without the right key (when one is set); 429 for an address with too many wrong keys.
+
+        Wrong keys (not missing ones) count towards the per-address limit, with the UI's failed logins
+        (see studio/api/auth.py and README, "--share").
+        """
         key = self.options.api_key
         if not key:
             return
+        limiter = limiter_for(self)
+        client = client_address(request.scope)
+        wait = limiter.retry_after(client)
+        if wait is not None:
+            raise TooManyFailures(wait)
         header = request.headers.get("authorization", "")
         if not header:
             raise APIError(
                 401, "Missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key"
             )
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != key:
+        if scheme.lower() != "bearer" or not secrets_equal(token.strip(), key):
+            limiter.record_failure(client)
             raise APIError(401, "Incorrect API key provided", None, "invalid_api_key")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past ``limit`` bytes, 400 when not JSON."""
+async def read_json(request: Request, limits: InputLimits) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past the body limit, 400 when not JSON, nested too deep or
+    not valid Unicode text."""
+    limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise APIError(
-            413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large"
+            413,
+            f"The request body is {declared} bytes; the limit is {limit} (--max-body-bytes)",
+            None,
+            "body_too_large",
         )
     body = bytearray()
     async for piece in request.stream():
         body += piece
         if len(body) > limit:
-            raise APIError(413, f"The request body is larger than {limit} bytes", None, "body_too_large")
+            raise APIError(
+                413,
+                f"The request body is larger than {limit} bytes (--max-body-bytes)",
+                None,
+                "body_too_large",
+            )
+    raw = {"raw_body": body[:2000].decode(errors="replace")}  # what is recorded when the body is refused
+    request.state.omni_payload = raw
     try:
         data = json.loads(body)
+    except RecursionError:  # the decoder's own stack limit, far past max_json_depth
+        raise APIError(
+            400, f"The JSON body nests deeper than {limits.max_json_depth} levels", None, "json_too_deep"
+        ) from None
     except ValueError as exc:
-        request.state.omni_payload = {"raw_body": body[:2000].decode(errors="replace")}
         raise APIError(400, f"The body is not valid JSON: {exc}", None, "invalid_json") from exc
+    check_json_depth(data, limits)
     if not isinstance(data, dict):
         raise APIError(400, "The body must be a JSON object", None, "invalid_json")
-    request.state.omni_payload = data
+    request.state.omni_payload = data  # recorded as sent if refused from here on (the store escapes it)
+    check_json_text(data)
     return data
 
 
@@ -284,9 +323,10 @@ def _endpoint(state: ServingState, name: str, handler: Endpoint, *, auth: bool =
         except Exception as exc:  # never let one request take the server down
             log.exception("unhandled error in %s", name)
             status = 500
-            return APIError(
-                500, f"Internal error: {type(exc).__name__}: {exc}", None, "internal_error"
-            ).response()
+            error = APIError(500, f"Internal error: {type(exc).__name__}: {exc}", None, "internal_error")
+            if name in RECORDED_ENDPOINTS:  # nothing a client sent is lost, whatever went wrong
+                record_rejection(state, request, error)
+            return error.response()
         finally:
             state.metrics.requests.labels(name, str(status)).inc()
             state.metrics.latency.labels(name).observe(time.perf_counter() - started)
@@ -305,15 +345,47 @@ async def _models(request: Request, state: ServingState) -> Response:
     return JSONResponse(state.require_handlers().models.list().model_dump())
 
 
+async def _model(request: Request, state: ServingState) -> Response:
+    model = request.path_params["model"]
+    return JSONResponse(state.require_handlers().models.retrieve(model).model_dump())
+
+
+async def _unknown(request: Request, state: ServingState) -> Response:
+    """Any other ``/v1`` path or method: an OpenAI error body (404, or 405 naming the allowed methods)."""
+    path = request.url.path
+    allowed = sorted(
+        {
+            method
+            for method, template, *_ in API_ROUTES
+            if _path_matches(template, path) and template != UNKNOWN_PATH
+        }
+    )
+    if allowed:
+        raise APIError(
+            405,
+            f"{request.method} is not allowed on {path}; allowed: {', '.join(allowed)}",
+            None,
+            "method_not_allowed",
+        )
+    raise APIError(404, f"There is no route {path}; see /docs for the API", None, "not_found")
+
+
+def _path_matches(template: str, path: str) -> bool:
+    parts, wanted = template.strip("/").split("/"), path.strip("/").split("/")
+    return len(parts) == len(wanted) and all(
+        p == w or p.startswith("{") for p, w in zip(parts, wanted, strict=True)
+    )
+
+
 async def _chat(request: Request, state: ServingState) -> Response:
     handlers = state.require_handlers()
-    payload = await read_json(request, state.options.limits.max_body_bytes)
+    payload = await read_json(request, state.options.limits)
     return await handlers.chat.create(parse(ChatCompletionRequest, payload), payload, request)
 
 
 async def _images_generations(request: Request, state: ServingState) -> Response:
     handlers = state.require_handlers()
-    payload = await read_json(request, state.options.limits.max_body_bytes)
+    payload = await read_json(request, state.options.limits)
     return await handlers.images.generate(parse(ImageGenerationRequest, payload), payload, request)
 
 
@@ -338,6 +410,18 @@ async def _outputs(request: Request, state: ServingState) -> Response:
 
 
 async def _metrics(request: Request, state: ServingState) -> Response:
+    # Open while nothing is protected; once an API key or a UI login is set (always with --share), the key
+    # or a UI login session (Gradio's own cookie check) is needed: README, "--share".
+    if state.options.api_key or ui_login_configured(request):
+        if state.options.api_key and request.headers.get("authorization"):
+            state.check_api_key(request)
+        elif await ui_session_user(request) is None:
+            raise APIError(
+                401,
+                "The metrics need the API key ('Authorization: Bearer <key>') or a UI login",
+                None,
+                "missing_api_key",
+            )
     engine = state.engine
     depths = engine.queue_depths() if engine else {}
     body = state.metrics.render(depths, engine.in_flight if engine else 0)
@@ -348,11 +432,14 @@ API_ROUTES: list[tuple[str, str, str, Endpoint, bool]] = [
     ("GET", "/health", "health", _health, False),
     ("GET", "/metrics", "metrics", _metrics, False),
     ("GET", "/v1/models", "models", _models, True),
+    ("GET", "/v1/models/{model}", "model", _model, True),
     ("POST", "/v1/chat/completions", "chat_completions", _chat, True),
     ("POST", "/v1/images/generations", "images_generations", _images_generations, True),
     ("POST", "/v1/images/edits", "images_edits", _images_edits, True),
     ("GET", "/v1/outputs/{name}", "outputs", _outputs, True),
 ]
+UNKNOWN_PATH = "/v1/{path:path}"  # after every other route: OpenAI errors for unknown routes and methods
+UNKNOWN_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
 def create_api_router(state: ServingState) -> APIRouter:
@@ -366,6 +453,13 @@ def create_api_router(state: ServingState) -> APIRouter:
             include_in_schema=True,
             name=name,
         )
+    router.add_api_route(
+        UNKNOWN_PATH,
+        _endpoint(state, "unknown", _unknown, auth=False),
+        methods=UNKNOWN_METHODS,
+        include_in_schema=False,
+        name="unknown",
+    )
     return router
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
@@ -14,13 +13,7 @@ from engine import ChatTurn, GenerationParams, GenerationRequest
 from engine.modality import OutputModality
 from studio.api.errors import APIError
 from studio.api.protocol import SIZE_PATTERN, ChatCompletionRequest
-
-
-@dataclass(frozen=True)
-class InputLimits:
-    max_body_bytes: int = 64 * 1024 * 1024
-    max_image_bytes: int = 32 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
+from studio.limits import InputLimits
 
 
 def decode_image_bytes(data: bytes, param: str, limits: InputLimits) -> Image.Image:
@@ -65,6 +58,88 @@ def decode_data_url(url: str, param: str, limits: InputLimits) -> Image.Image:
     return decode_image_bytes(data, param, limits)
 
 
+def first_lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone UTF-16 surrogate (JSON's ``"\\ud800"``), which is not Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def check_json_depth(data: Any, limits: InputLimits) -> None:
+    """Arrays and objects nested within ``limits.max_json_depth`` (walked without recursion)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 1)]
+    while stack:
+        item, path, depth = stack.pop()
+        if isinstance(item, (dict, list)) and depth > limits.max_json_depth:
+            raise APIError(
+                400,
+                f"The JSON body nests deeper than {limits.max_json_depth} levels (at {path or 'the top'}; "
+                "--max-json-depth)",
+                None,
+                "json_too_deep",
+            )
+        if isinstance(item, dict):
+            stack.extend(
+                (child, f"{path}.{key}" if path else str(key), depth + 1) for key, child in item.items()
+            )
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(item))
+
+
+def check_json_text(data: Any) -> None:
+    """Every string and key is valid Unicode text (no lone surrogates); the error names its path."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if first_lone_surrogate(key) is not None:
+                    raise _surrogate_error(path or "body", key)
+                stack.append((child, f"{path}.{key}" if path else key))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+        elif isinstance(item, str) and first_lone_surrogate(item) is not None:
+            raise _surrogate_error(path, item)
+
+
+def _surrogate_error(param: str, text: str) -> APIError:
+    index = first_lone_surrogate(text) or 0
+    return APIError(
+        400,
+        f"{param}: contains a lone surrogate (U+{ord(text[index]):04X} at character {index}), which is not "
+        "valid Unicode text; send the text as UTF-8 (in JSON, surrogates only in valid \\ud83d\\ude00 pairs)",
+        param,
+        "invalid_text",
+    )
+
+
+def check_text(text: str | None, param: str, limits: InputLimits) -> None:
+    if text is not None and len(text) > limits.max_prompt_chars:
+        raise APIError(
+            400,
+            f"{param} is {len(text)} characters; the limit is {limits.max_prompt_chars} (--max-prompt-chars)",
+            param,
+            "prompt_too_long",
+        )
+
+
+def check_generation_limits(fields: dict[str, Any], limits: InputLimits) -> None:
+    """``n``, steps, width/height and the negative prompt against the server's limits (400 naming each)."""
+    bounds = (
+        ("n", limits.max_n, "--max-n"),
+        ("num_inference_steps", limits.max_steps, "--max-steps"),
+        ("height", limits.max_image_side, "--max-image-side"),
+        ("width", limits.max_image_side, "--max-image-side"),
+    )
+    for key, limit, flag in bounds:
+        value = fields.get(key)
+        if isinstance(value, int) and value > limit:
+            raise APIError(400, f"{key} is {value}; the limit is {limit} ({flag})", key, "over_limit")
+    check_text(fields.get("negative_prompt"), "negative_prompt", limits)
+
+
 def parse_size(size: str | None, fields: dict[str, Any], param: str = "size") -> None:
     """``'WxH'`` -> ``fields['width'/'height']``; a conflict with explicit height/width is an error."""
     if size is None or size == "auto":
@@ -98,6 +173,15 @@ def params_from_fields(fields: dict[str, Any]) -> GenerationParams:
 
 def chat_to_engine_request(request: ChatCompletionRequest, limits: InputLimits) -> GenerationRequest:
     """The newest user message is the prompt (and its image the I2I source); earlier turns are history."""
+    if len(request.messages) > limits.max_messages:
+        raise APIError(
+            400,
+            f"messages has {len(request.messages)} entries; the limit is {limits.max_messages} (--max-messages)",
+            "messages",
+            "over_limit",
+        )
+    for index, message in enumerate(request.messages):
+        check_text(message.text(), f"messages[{index}].content", limits)
     last = request.messages[-1]
     if last.role != "user":
         raise APIError(400, f"the last message must come from the user (got role {last.role!r})", "messages")
@@ -114,6 +198,7 @@ def chat_to_engine_request(request: ChatCompletionRequest, limits: InputLimits) 
     )
     fields = request.generation()
     parse_size(fields.pop("size", None), fields)
+    check_generation_limits(fields, limits)
     modalities = tuple(OutputModality(m) for m in request.modalities) if request.modalities else None
     return GenerationRequest(
         prompt, params_from_fields(fields), image=image, history=history, modalities=modalities

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SIZE_PATTERN = re.compile(r"^(\d+)x(\d+)$")
+SIZE_PATTERN = re.compile(r"^(\d{1,5})x(\d{1,5})$")  # digits bounded: int() of 5000 digits raises
 MODALITY_NAMES = ("text", "image", "audio", "latent", "token_ids")
 
 
@@ -31,7 +31,7 @@ class GenerationFields(StrictRequest):
     size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 1024x768")
     num_inference_steps: int | None = Field(None, ge=1, le=1000)
     guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
-    negative_prompt: str | None = Field(None, max_length=4000)
+    negative_prompt: str | None = None  # length: InputLimits.max_prompt_chars
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     n: int | None = Field(None, ge=1, le=8)
     max_tokens: int | None = Field(None, ge=1, le=32768)
@@ -137,7 +137,7 @@ class ChatCompletionRequest(GenerationFields):
 class ImageGenerationRequest(StrictRequest):
     """``POST /v1/images/generations`` (the edits endpoint takes the same fields as form data)."""
 
-    prompt: str = Field(min_length=1, max_length=32000)
+    prompt: str = Field(min_length=1)  # length: InputLimits.max_prompt_chars
     model: str | None = None
     n: int = Field(1, ge=1, le=8)
     size: str | None = None
@@ -148,7 +148,7 @@ class ImageGenerationRequest(StrictRequest):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     num_inference_steps: int | None = Field(None, ge=1, le=1000)
     guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
-    negative_prompt: str | None = Field(None, max_length=4000)
+    negative_prompt: str | None = None  # length: InputLimits.max_prompt_chars
     height: int | None = Field(None, ge=16, le=4096)
     width: int | None = Field(None, ge=16, le=4096)
 

@@ -22,8 +22,8 @@ from fastapi import Request
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.events import EngineEvent, RunFailed, RunFinished
 from studio.api.errors import APIError
-from studio.api.inputs import InputLimits
 from studio.api.metrics import APIMetrics
+from studio.limits import InputLimits
 from studio.media import png_bytes
 from studio.runs import Recording, RunRejected, RunService, RunTracking
 

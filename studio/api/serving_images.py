@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from engine import GenerationRequest
 from engine.modality import OutputModality
 from studio.api.errors import APIError
-from studio.api.inputs import params_from_fields, parse_size
+from studio.api.inputs import check_generation_limits, check_text, params_from_fields, parse_size
 from studio.api.protocol import ImageGenerationRequest, now
 from studio.api.serving_base import OpenAIServing
 from studio.media import png_bytes
@@ -43,6 +43,8 @@ class OpenAIServingImages(OpenAIServing):
             exclude_none=True,
         )
         parse_size(request.size, fields)
+        check_text(request.prompt, "prompt", self.context.limits)
+        check_generation_limits(fields, self.context.limits)
         engine_request = GenerationRequest(
             request.prompt, params_from_fields(fields), image=image, modalities=(OutputModality.IMAGE,)
         )

@@ -1,4 +1,4 @@
-"""``GET /v1/models`` and ``GET /health``."""
+"""``GET /v1/models`` and ``GET /v1/models/{model}``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,16 @@ from studio.api.serving_base import OpenAIServing
 
 class OpenAIServingModels(OpenAIServing):
     def list(self) -> ModelList:
+        return ModelList(data=[self.card()])
+
+    def retrieve(self, model: str) -> ModelCard:
+        """The served model by name (the SDK's ``models.retrieve``); 404 naming what is served."""
+        self.check_model(model)
+        return self.card()
+
+    def card(self) -> ModelCard:
         config = self.engine.config
-        card = ModelCard(
+        return ModelCard(
             id=self.served_model_name,
             root=config.model_name,
             family=config.family,
@@ -24,4 +32,3 @@ class OpenAIServingModels(OpenAIServing):
             ],
             config_hash=config.config_hash(),
         )
-        return ModelList(data=[card])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gradio as gr
 
 from studio.api.app import ServingState, create_api_router
+from studio.api.auth import guard_gradio_login, limiter_for
 from studio.controller import Studio
 from studio.ui.chat import build_chat_tab
 from studio.ui.history import build_history_tab
@@ -70,8 +71,10 @@ def build_ui(studio: Studio) -> gr.Blocks:
 
 
 def attach_api(app, serving: ServingState) -> None:
-    """Put the API routes in front of Gradio's own (its catch-all routes would answer first otherwise)."""
+    """Put the API routes in front of Gradio's own (its catch-all routes would answer first otherwise),
+    and Gradio's ``POST /login`` behind the failed-login limiter the API keys share (README, "--share")."""
     router = create_api_router(serving)
     routes = app.router.routes
     for route in reversed(router.routes):
         routes.insert(0, route)
+    guard_gradio_login(app, limiter_for(serving))
