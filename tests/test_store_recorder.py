@@ -252,7 +252,7 @@ def test_a_lost_output_file_is_noted_on_the_run(
         def disk_full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(store, "add_output", disk_full)
+        monkeypatch.setattr(store, "write_file", disk_full)  # the output file cannot be written
         resolved = resolved_request()
         run_id = record(recorder, pipeline_config, success_events(resolved), resolved)
         recorder.flush()

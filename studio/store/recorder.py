@@ -31,13 +31,16 @@ from engine.config import PipelineConfig
 from engine.events import EngineEvent, RunFailed, RunFinished, StageFinished, StageStarted
 from engine.request import ResolvedRequest
 from studio.media import png_bytes
+from studio.store.journal import Journal, apply_entries, journal_dir
 from studio.store.models import RUN_SOURCES
+from studio.store.records import storable
 from studio.store.store import RunStore
 
 log = logging.getLogger(__name__)
 
 RETRIES = 4  # transient database errors (locked, connection dropped) are retried this many times
 RETRY_BASE_DELAY = 0.05
+RECOVERY_INTERVAL = 2.0  # seconds between tries to replay the journal while the database is flaky
 MAX_BATCH = 256  # queued writes committed together
 MAX_INLINE_DATA_URL = 1024  # longer data: URLs in a request are replaced by a short description
 TEXT_MIME = "text/plain; charset=utf-8"
@@ -47,12 +50,33 @@ _open_recorders: weakref.WeakSet[RunRecorder] = weakref.WeakSet()
 
 
 class _Task:
-    __slots__ = ("description", "call", "on_error")
+    """One queued write, as data: a :class:`RunStore` method (``op``) and its JSON-able keyword arguments, so
+    that a write the database refuses can go to the journal (:mod:`studio.store.journal`).
+
+    ``prepare`` (run once, on the writer thread, before the first attempt) finishes the arguments: it
+    encodes and stores an output file, or reads what the run's earlier writes left (output errors).
+    ``extra`` holds arguments that are not journaled (the file's bytes). A task with ``call`` and no
+    ``op`` (:meth:`RunRecorder.submit`) cannot be journaled.
+    """
+
+    __slots__ = ("description", "op", "run_id", "args", "prepare", "extra", "call", "on_error")
 
     def __init__(
-        self, description: str, call: Callable[[], Any], on_error: Callable[[Exception], None] | None = None
+        self,
+        description: str,
+        op: str | None = None,
+        run_id: str | None = None,
+        args: dict[str, Any] | None = None,
+        prepare: Callable[[_Task], None] | None = None,
+        call: Callable[[], Any] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         self.description = description
+        self.op = op
+        self.run_id = run_id
+        self.args = args or {}
+        self.prepare = prepare
+        self.extra: dict[str, Any] = {}
         self.call = call
         self.on_error = on_error
 
@@ -73,7 +97,7 @@ def compact_payload(value: Any) -> Any:
         return [compact_payload(v) for v in value]
     if isinstance(value, str) and value.startswith("data:") and len(value) > MAX_INLINE_DATA_URL:
         header = value.split(",", 1)[0]
-        digest = hashlib.sha256(value.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
         return f"{header},<{len(value)} characters omitted; sha256 {digest}>"
     return value
 
@@ -98,17 +122,39 @@ def _prompt_of(payload: Any) -> str:
     return ""
 
 
+def _output_file(store: RunStore, content: Any) -> Callable[[_Task], None]:
+    """A task's ``prepare`` for an output: encode it (PNG for an image, on the writer thread) and put the
+    file in the content-addressed tree, which needs no database; the task then records its sha256."""
+
+    def prepare(task: _Task) -> None:
+        data = content if isinstance(content, bytes) else png_bytes(content)
+        sha256, _path = store.write_file(data, task.args["mime"])
+        task.args.update(sha256=sha256, size_bytes=len(data))
+        task.extra["data"] = data
+
+    return prepare
+
+
 class RunRecorder:
     """Writes runs to a :class:`RunStore` on one background thread; callers never wait for the database.
 
     Failed writes are retried when the error is transient and otherwise logged (with the run id) and
-    counted in :attr:`errors`; the writer thread keeps going either way.
+    counted in :attr:`errors`; the writer thread keeps going either way. A write the database still
+    refuses after the retries (it is down, locked or read-only) goes to the journal in the data dir
+    (:mod:`studio.store.journal`), and so does every later write of that run, to keep the run's order;
+    counted in :attr:`journaled`. Once a write succeeds again the journal is replayed; what is left in
+    it when the process stops is written by the next ``RunStore.open`` on the data dir.
     """
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
         self.errors = 0
+        self.journaled = 0
         self.last_error: str | None = None
+        self._journal: Journal | None = None
+        self._journaled_runs: set[str] = set()  # runs whose writes go to the journal until it is replayed
+        self._db_down = False  # the last write failed for good: try new writes once, without retries
+        self._last_recovery = 0.0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self._configs: dict[int, tuple[PipelineConfig, dict[str, Any], str]] = {}
@@ -145,11 +191,13 @@ class RunRecorder:
     def _write_batch(self, tasks: list[_Task]) -> None:
         """One transaction for all of ``tasks``; if anything in it fails, each task again on its own, so
         one bad write costs only itself (and transient errors get their retries)."""
-        if len(tasks) > 1:
+        tasks = [task for task in tasks if self._prepare(task)]
+        if len(tasks) > 1 and not self._db_down and not any(t.run_id in self._journaled_runs for t in tasks):
             try:
                 with self.store.batch():
                     for task in tasks:
-                        task.call()
+                        self._apply(task)
+                self._recover()
                 return
             except Exception as exc:
                 log.debug(
@@ -160,27 +208,101 @@ class RunRecorder:
         for task in tasks:
             self._execute(task)
 
+    def _prepare(self, task: _Task) -> bool:
+        if task.prepare is None:
+            return True
+        try:
+            task.prepare(task)
+        except Exception as exc:
+            self._failed(task, exc)
+            return False
+        task.prepare = None
+        return True
+
+    def _apply(self, task: _Task) -> None:
+        if task.op is None:
+            assert task.call is not None
+            task.call()
+        else:
+            getattr(self.store, task.op)(**task.args, **task.extra)
+
     def _execute(self, task: _Task) -> None:
-        for attempt in range(RETRIES + 1):
+        if not self._prepare(task):
+            return
+        if task.run_id is not None and task.run_id in self._journaled_runs:
+            self._to_journal(task)
+            return
+        retries = 0 if self._db_down else RETRIES
+        for attempt in range(retries + 1):
             try:
-                task.call()
-                return
+                self._apply(task)
             except Exception as exc:
-                if attempt < RETRIES and _transient(exc):
+                if not _transient(exc):
+                    self._failed(task, exc)
+                    return
+                if attempt < retries:
                     log.warning(
                         "run store: %s failed (%s); retrying", task.description, exc.__class__.__name__
                     )
                     time.sleep(RETRY_BASE_DELAY * 2**attempt)
                     continue
-                self.errors += 1
-                self.last_error = f"{task.description}: {exc.__class__.__name__}: {exc}"
-                log.error("run store: %s failed", task.description, exc_info=exc)
-                if task.on_error is not None:
-                    try:
-                        task.on_error(exc)
-                    except Exception:
-                        log.exception("run store: error handler of %s failed", task.description)
+                if task.op is None or task.run_id is None:
+                    self._failed(task, exc)
+                    return
+                if not self._db_down:
+                    log.error(
+                        "run store: the database refuses writes (%s: %s); journaling them in %s",
+                        exc.__class__.__name__,
+                        exc,
+                        journal_dir(self.store.data_dir),
+                    )
+                self._db_down = True
+                self._to_journal(task)
                 return
+            self._db_down = False
+            self._recover()
+            return
+
+    def _failed(self, task: _Task, exc: Exception) -> None:
+        self.errors += 1
+        self.last_error = f"{task.description}: {exc.__class__.__name__}: {exc}"
+        log.error("run store: %s failed", task.description, exc_info=exc)
+        if task.on_error is not None:
+            try:
+                task.on_error(exc)
+            except Exception:
+                log.exception("run store: error handler of %s failed", task.description)
+
+    def _to_journal(self, task: _Task) -> None:
+        assert task.op is not None and task.run_id is not None
+        try:
+            if self._journal is None:
+                self._journal = Journal(self.store.data_dir, self.store.owner)
+            self._journal.append(task.op, task.run_id, task.args)
+        except Exception as exc:
+            self._failed(task, exc)
+            return
+        self._journaled_runs.add(task.run_id)
+        self.journaled += 1
+
+    def _recover(self, force: bool = False) -> None:
+        """The database took a write: replay this recorder's journal (at most every few seconds)."""
+        if self._journal is None or not self._journal.count:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_recovery < RECOVERY_INTERVAL:
+            return
+        self._last_recovery = now
+        try:
+            failed = apply_entries(self.store, self._journal.entries(), self.store.owner)
+        except Exception:
+            log.exception("run store: replaying the journal failed")
+            return
+        if failed:
+            return  # all of it stays (replay is idempotent); the next start or the next recovery retries
+        log.warning("run store: the database is back; %d journaled write(s) recorded", self._journal.count)
+        self._journal.clear()
+        self._journaled_runs.clear()
 
     # the callers' side ----------------------------------------------------------------------------
 
@@ -191,11 +313,25 @@ class RunRecorder:
 
         After :meth:`close` the write runs at once in the caller: late, but not lost.
         """
-        task = _Task(description, call, on_error)
+        self._put(_Task(description, call=call, on_error=on_error))
+
+    def _put(self, task: _Task) -> None:
         if self._closed:
             self._execute(task)
             return
         self._queue.put(task)
+
+    def _submit(
+        self,
+        description: str,
+        op: str,
+        run_id: str,
+        args: dict[str, Any],
+        prepare: Callable[[_Task], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        """Queue one store write as data (journaled if the database refuses it)."""
+        self._put(_Task(description, op, run_id, args, prepare, on_error=on_error))
 
     def start_run(
         self,
@@ -225,14 +361,15 @@ class RunRecorder:
             "run_id": run_id,
             "created_at": created,
         }
-        self.submit(f"create run {run_id}", lambda: self.store.create_run(**values))
+        self._submit(f"create run {run_id}", "create_run", run_id, values)
         image = resolved.request.image
         if image is not None:
-            self.submit(
+            self._submit(
                 f"store source image of run {run_id}",
-                lambda: self.store.add_output(
-                    run_id, 0, png_bytes(image), "image/png", image.width, image.height, kind="source"
-                ),
+                "add_output_file",
+                run_id,
+                {"run_id": run_id, "index": 0, "mime": "image/png", "kind": "source"},
+                _output_file(self.store, image),
             )
         return RunTracker(self, run_id)
 
@@ -258,23 +395,22 @@ class RunRecorder:
         prompt = _prompt_of(payload)
         body, config_hash = self._config_body(config) if config is not None else (None, None)
 
-        def write() -> None:
-            self.store.create_run(
-                source=source,
-                prompt=prompt,
-                model=model_name,
-                request=payload,
-                parameters={},
-                seed=None,
-                config=body,
-                config_hash=config_hash,
-                fingerprint=fingerprint,
-                run_id=run_id,
-                created_at=created,
-            )
-            self.store.finish_run(run_id, status, error=error, at=created)
-
-        self.submit(f"record rejected request {run_id}", write)
+        values = {
+            "source": source,
+            "prompt": prompt,
+            "model": model_name,
+            "request": payload,
+            "parameters": {},
+            "seed": None,
+            "config": body,
+            "config_hash": config_hash,
+            "fingerprint": fingerprint,
+            "run_id": run_id,
+            "created_at": created,
+        }
+        self._submit(f"record rejected request {run_id}", "create_run", run_id, values)
+        finish = {"run_id": run_id, "status": status, "error": error, "at": created}
+        self._submit(f"finish rejected request {run_id} as {status}", "finish_run", run_id, finish)
         return run_id
 
     def _config_body(self, config: PipelineConfig) -> tuple[dict[str, Any], str]:
@@ -318,6 +454,9 @@ class RunRecorder:
                 task.set()
             elif task is not _STOP:
                 self._execute(task)
+        if self._journal is not None:
+            self._recover(force=True)  # a last try; what stays is written at the next start
+            self._journal.close()
 
 
 @atexit.register
@@ -362,23 +501,27 @@ class RunTracker:
                     return
                 self._running = True
             at = time.time()
-            self.recorder.submit(f"mark run {run_id} running", lambda: self.store.mark_running(run_id, at))
+            self.recorder._submit(
+                f"mark run {run_id} running", "mark_running", run_id, {"run_id": run_id, "at": at}
+            )
         elif isinstance(event, StageFinished):
-            self.recorder.submit(
+            self.recorder._submit(
                 f"record stage {event.stage_id} of run {run_id}",
-                lambda: self.store.add_stage(
-                    run_id,
-                    stage_id=event.stage_id,
-                    kind=event.kind,
-                    status=event.status,
-                    started_at=event.started_at,
-                    finished_at=event.finished_at,
-                    queue_seconds=event.queue_seconds,
-                    input_tokens=event.input_tokens,
-                    output_tokens=event.output_tokens,
-                    batch_size=event.batch_size,
-                    variant_index=event.index,
-                ),
+                "add_stage",
+                run_id,
+                {
+                    "run_id": run_id,
+                    "stage_id": event.stage_id,
+                    "kind": str(event.kind),
+                    "status": str(event.status),
+                    "started_at": event.started_at,
+                    "finished_at": event.finished_at,
+                    "queue_seconds": event.queue_seconds,
+                    "input_tokens": event.input_tokens,
+                    "output_tokens": event.output_tokens,
+                    "batch_size": event.batch_size,
+                    "variant_index": event.index,
+                },
             )
         elif isinstance(event, RunFinished):
             if self._claim_finish():
@@ -394,9 +537,11 @@ class RunTracker:
         if not self._claim_finish():
             return False
         status, at, run_id = ("cancelled" if cancelled else "failed"), time.time(), self.run_id
-        self.recorder.submit(
+        self.recorder._submit(
             f"finish run {run_id} as {status}",
-            lambda: self.store.finish_run(run_id, status, error=message, at=at),
+            "finish_run",
+            run_id,
+            {"run_id": run_id, "status": status, "error": message, "at": at},
         )
         return True
 
@@ -406,7 +551,8 @@ class RunTracker:
         image_index = 0
         for output in event.outputs:
             if output.text is not None:
-                self._submit_output(len(texts), output.text.encode(), TEXT_MIME, None, None)
+                # The file holds what the run's text column holds: unstorable characters escaped.
+                self._submit_output(len(texts), storable(output.text).encode(), TEXT_MIME, None, None)
                 texts.append(output.text)
             for image in output.images:
                 # png_bytes runs on the writer thread; the API's response shares the cached encoding.
@@ -418,12 +564,17 @@ class RunTracker:
         }
         text = "\n\n".join(texts) if texts else None
 
-        def finish() -> None:
+        def note_output_errors(task: _Task) -> None:
             # The request succeeded for its caller even if a file could not be kept; say so in the error.
-            error = "; ".join(self._output_errors) or None
-            self.store.finish_run(run_id, "succeeded", error=error, text=text, usage=usage, at=at)
+            task.args["error"] = "; ".join(self._output_errors) or None
 
-        self.recorder.submit(f"finish run {run_id} as succeeded", finish)
+        self.recorder._submit(
+            f"finish run {run_id} as succeeded",
+            "finish_run",
+            run_id,
+            {"run_id": run_id, "status": "succeeded", "text": text, "usage": usage, "at": at},
+            note_output_errors,
+        )
 
     def _submit_output(
         self, index: int, content: Any, mime: str, width: int | None, height: int | None
@@ -432,11 +583,14 @@ class RunTracker:
 
         kind = mime.split(";")[0]
 
-        def save() -> None:
-            data = content if isinstance(content, bytes) else png_bytes(content)
-            self.store.add_output(run_id, index, data, mime, width, height)
-
         def failed(exc: Exception) -> None:
             self._output_errors.append(f"output {kind} #{index} not saved: {exc.__class__.__name__}: {exc}")
 
-        self.recorder.submit(f"store output {index} ({kind}) of run {run_id}", save, failed)
+        self.recorder._submit(
+            f"store output {index} ({kind}) of run {run_id}",
+            "add_output_file",
+            run_id,
+            {"run_id": run_id, "index": index, "mime": mime, "width": width, "height": height},
+            _output_file(self.store, content),
+            failed,
+        )

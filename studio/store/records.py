@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import UTC, datetime
@@ -193,6 +194,30 @@ def _json_default(value: Any) -> Any:
 def jsonable(value: Any) -> Any:
     """``value`` as plain JSON types (tuples to lists, enums to values, anything else to its string)."""
     return json.loads(json.dumps(value, default=_json_default))
+
+
+# What no SQL text or JSON value can hold: lone surrogates (not encodable as UTF-8) and NUL (PostgreSQL
+# rejects it in text and in JSON). Each is written as its literal escape (backslash, u, 4 hex digits):
+# visible, never dropped.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
+
+
+def storable(value: Any) -> Any:
+    """``value`` with every string in it (dict keys too) made storable by any database (see ``_UNSTORABLE``).
+
+    Values that need nothing are returned as they are (the common case costs one regex scan per string).
+    """
+    if isinstance(value, str):
+        return _UNSTORABLE.sub(_escape, value) if _UNSTORABLE.search(value) else value
+    if isinstance(value, dict):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [storable(v) for v in value]
+    return value
 
 
 def config_hash_of(body: Mapping[str, Any]) -> str:

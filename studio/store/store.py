@@ -24,12 +24,22 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, bindparam, delete, func, select
+from sqlalchemy import (
+    ClauseElement,
+    ColumnElement,
+    Connection,
+    Engine,
+    bindparam,
+    delete,
+    event,
+    func,
+    select,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, joinedload, selectinload
 
-from studio.store import bundle
+from studio.store import bundle, journal
 from studio.store.errors import AmbiguousRunId, RunNotFound, StoreError
 from studio.store.files import OutputFiles
 from studio.store.models import (
@@ -56,6 +66,7 @@ from studio.store.records import (
     diff_mappings,
     flatten,
     jsonable,
+    storable,
 )
 from studio.store.schema import create_store_engine, default_url, upgrade_schema
 
@@ -91,6 +102,21 @@ _FINISH = (
 # Owners (store instances) open in this process; another instance with our pid but not in here is a
 # previous process that had the same pid (containers restart as pid 1), so its runs are orphans.
 _LIVE_OWNERS: set[str] = set()
+
+
+def _storable_parameters(
+    _connection: Connection,
+    statement: ClauseElement,
+    multiparams: list[dict[str, Any]],
+    params: dict[str, Any],
+    _options: Any,
+) -> tuple[ClauseElement, list[dict[str, Any]], dict[str, Any]]:
+    """The one place every value the store sends to the database passes: text SQL cannot hold is escaped.
+
+    A lone surrogate (from JSON ``"\\ud800"``) cannot be encoded as UTF-8 and PostgreSQL refuses NUL; either
+    would make the write fail and the run be lost. See :func:`studio.store.records.storable`.
+    """
+    return statement, [storable(p) for p in multiparams], storable(params)
 
 
 def _kind_for_mime(mime: str) -> str:
@@ -131,12 +157,15 @@ class RunStore:
 
     def __init__(self, engine: Engine, data_dir: Path) -> None:
         self.engine = engine
+        if not event.contains(engine, "before_execute", _storable_parameters):
+            event.listen(engine, "before_execute", _storable_parameters, retval=True)
         self.data_dir = Path(data_dir)
         self.files = OutputFiles.in_data_dir(self.data_dir)  # the output files' layout lives there
         self.outputs_dir = self.files.root
         self.dialect = engine.dialect.name
         self.owner = _new_owner()
         self.interrupted_at_open = 0
+        self.replayed_at_open = 0
         self._write_engine = engine.execution_options(omni_write=True)
         # SQLite has one writer at a time anyway; queueing our own threads here is cheaper than having
         # them spin on the busy timeout.
@@ -163,6 +192,9 @@ class RunStore:
         try:
             upgrade_schema(engine)
             store._claim_owner()
+            # Writes an earlier process could not make (database down) are made now, before serving;
+            # runs they leave unfinished are then interrupted like any other orphan.
+            store.replayed_at_open = journal.replay_journals(store)
             store.interrupted_at_open = store.interrupt_orphaned_runs()
         except SQLAlchemyError as exc:
             store.close()
@@ -358,10 +390,12 @@ class RunStore:
         run_id: str | None = None,
         status: str = "queued",
         created_at: datetime | float | None = None,
+        owner: str | None = None,
     ) -> str:
         """Record a new run and return its id (``run_id`` when given, else a fresh uuid hex).
 
-        ``config`` is the pipeline config's ``to_dict()``; it is snapshotted once per hash.
+        ``config`` is the pipeline config's ``to_dict()``; it is snapshotted once per hash. ``owner`` is the
+        store instance recording the run (this one by default; a journal replay passes the journal's).
         """
         if source not in RUN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
@@ -382,7 +416,7 @@ class RunStore:
             "seed": seed,
             "config_hash": config_hash,
             "fingerprint": fingerprint,
-            "owner": self.owner,
+            "owner": owner or self.owner,
         }
         with self._write() as connection:
             if config is not None and config_hash is not None:  # the hash is computed above
@@ -457,7 +491,29 @@ class RunStore:
         kind = kind or _kind_for_mime(mime)
         if kind not in OUTPUT_KINDS:
             raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
-        sha256, path = self.write_file(data, mime)
+        sha256, _path = self.write_file(data, mime)
+        return self.add_output_file(run_id, index, sha256, mime, width, height, kind, len(data), data)
+
+    def add_output_file(
+        self,
+        run_id: str,
+        index: int,
+        sha256: str,
+        mime: str,
+        width: int | None = None,
+        height: int | None = None,
+        kind: str | None = None,
+        size_bytes: int = 0,
+        data: bytes | None = None,
+    ) -> str:
+        """Record an output whose file is already in the tree (:meth:`write_file`); returns its sha256.
+
+        ``data`` (the file's bytes, when still at hand) rewrites the file if retention in another process
+        removed it between the file write and this row.
+        """
+        kind = kind or _kind_for_mime(mime)
+        if kind not in OUTPUT_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
         row = {
             "run_id": run_id,
             "index": index,
@@ -466,11 +522,11 @@ class RunStore:
             "mime": mime,
             "width": width,
             "height": height,
-            "size_bytes": len(data),
+            "size_bytes": size_bytes,
         }
         with self._write() as connection:
             connection.execute(_outputs.insert(), row)
-        if not path.exists():  # retention in another process removed it between our write and our row
+        if data is not None and not self.file_path(sha256, mime).exists():
             self.write_file(data, mime, sha256)
         return sha256
 
@@ -502,6 +558,46 @@ class RunStore:
         }
         with self._write() as connection:
             return bool(connection.execute(_FINISH, params).rowcount)
+
+    def apply_journaled(self, op: str, args: Mapping[str, Any], owner: str | None = None) -> None:
+        """Make one journaled write (:mod:`studio.store.journal`), skipping what is already recorded.
+
+        Idempotent, so a journal replayed twice (a crash between its commit and its removal) records
+        nothing twice: an existing run, stage (variant, stage id) or output (kind, index) is left as is,
+        and a run's first outcome wins anyway.
+        """
+        args = dict(args)
+        with self._write() as connection:
+            if op == "create_run":
+                if connection.scalar(select(_runs.c.id).where(_runs.c.id == args["run_id"])) is None:
+                    self.create_run(**args, owner=owner)
+            elif op == "add_stage":
+                found = connection.scalar(
+                    select(_stages.c.id).where(
+                        _stages.c.run_id == args["run_id"],
+                        _stages.c.variant_index == args.get("variant_index", 0),
+                        _stages.c.stage_id == args["stage_id"],
+                    )
+                )
+                if found is None:
+                    self.add_stage(**args)
+            elif op == "add_output_file":
+                kind = args.get("kind") or _kind_for_mime(args["mime"])
+                found = connection.scalar(
+                    select(_outputs.c.id).where(
+                        _outputs.c.run_id == args["run_id"],
+                        _outputs.c.kind == kind,
+                        _outputs.c.index == args["index"],
+                    )
+                )
+                if found is None:
+                    self.add_output_file(**args)
+            elif op == "mark_running":
+                self.mark_running(**args)
+            elif op == "finish_run":
+                self.finish_run(**args)
+            else:
+                raise ValueError(f"unknown journaled write {op!r}")
 
     # reading --------------------------------------------------------------------------------------
 
@@ -612,7 +708,8 @@ class RunStore:
             return statement
         conditions = []
         if flt.search:
-            conditions.append(Run.prompt.icontains(flt.search, autoescape=True))
+            # Stored text has unstorable characters escaped (records.storable); so has the search term.
+            conditions.append(Run.prompt.icontains(storable(flt.search), autoescape=True))
         for column, value, allowed in (
             (Run.status, flt.status, RUN_STATUSES),
             (Run.source, flt.source, RUN_SOURCES),
@@ -625,9 +722,9 @@ class RunStore:
                 raise ValueError(f"unknown {column.key} {unknown[0]!r}; one of: {', '.join(allowed)}")
             conditions.append(column.in_(values))
         if flt.model:
-            conditions.append(Run.model == flt.model)
+            conditions.append(Run.model == storable(flt.model))
         if flt.fingerprint:
-            conditions.append(Run.fingerprint == flt.fingerprint)
+            conditions.append(Run.fingerprint == storable(flt.fingerprint))
         if flt.config_hash:
             conditions.append(Run.config_hash.startswith(flt.config_hash.lower(), autoescape=True))
         if flt.since is not None:
