@@ -263,8 +263,8 @@ def test_key_problems_and_topology_problems_come_in_one_report():
 # hash in fingerprints and recorded history) must not change with the engine's internals. The model
 # identity is pinned so library upgrades (which change a built model's identity) leave these alone.
 PINNED_PRESET_HASHES = {
-    "tiny-glm-image": ("glm-image", "a6ce9e432bc384bef22ef72a85e490b348c1c8ff477e04862df194528d0ebfda"),
-    "tiny-glm-shapes": ("glm-image", "8044263d4b75ad4dc279216adb0429893abf820fb8b67e12f4adde9a4f25d568"),
+    "tiny-glm-image": ("glm-image", "c40dbe3b5ca2027f986e3902b01ea2be1d8a7a2f3186f4554adf1e13ea7fce30"),
+    "tiny-glm-shapes": ("glm-image", "c2151d0e75fe9399438e8256f262e66113eeca11ec4710657f2c25f34550f80b"),
     "tiny-chat": ("chat", "877bcc741684e4932544d255ad112ae142ae7d1e83d13857c83c1df8899ce36c"),
     "tiny-diffusion": ("diffusion", "632bde1dbe796d4440d2dbb3b5e1693582c74de3f030121c6ef7e041bc8ce9d8"),
     "glm-image-1gpu": ("glm-image", "25d41fb96a2f6d33ac125b38a88fab9cac950db54f89acebcdff0015720bd768"),
@@ -319,9 +319,9 @@ def test_shipped_shapes_model_config_hash_is_pinned():
     assert source.identity == "builtin:tiny-glm-shapes:7ecf37a2c8e6"
     assert (
         build_pipeline_config(source, None).config_hash()
-        == "074f0a1404683b7a290ab04602c7007febbe16c6e1dc4631e9ad95f55852a52d"
+        == "7c3a1b57de6b393d6876ec1ae8c5793ddbac0623f3494e4d55c4e05556128332"
     )
     assert (
         build_pipeline_config(source, None, "vllm").config_hash()
-        == "74382e9f9fc167236e7d6424027a502af01d3377f0254b761b1335c57644d591"
+        == "c48bcb1822b1abfaba7ed1ddec31b028237efd40a4f71b8d1380f31576cb7841"
     )

@@ -1,12 +1,20 @@
-"""Autoregressive stages on transformers: seeded ``generate`` with streamed progress, deltas and cancellation.
+"""Autoregressive stages on transformers: seeded decoding with streamed progress, deltas and cancellation.
 
 Model families subclass :class:`TransformersARStage` and say how a job becomes model inputs
 (:meth:`prepare`) and what extra outputs it leaves (:meth:`finish`). This module owns the generation
 loop: sampling parameters, seeding, per-token progress and text deltas, stop on cancel.
 
-Jobs run one at a time. transformers samples from the process-global torch RNG (GLM-Image's own pipeline
-reseeds it with the request seed before ``generate``), so batching requests with different seeds would
-make each result depend on its neighbours. The vLLM backend batches continuously with per-request seeds.
+Two loops (docs/batching.md):
+
+- A family that offers a :class:`FastDecoder` gets the lean loop: each request is prefilled alone, then
+  the rows of a batch decode together, one forward per token for the whole batch, with transformers' own
+  logits processors and a ``torch.Generator`` per request seeded with the request seed. The decoder keeps
+  every row's float math identical to running alone (and to ``generate``), so token ids, and the pictures
+  made from them, never depend on the neighbours; ``tests/test_ar_decode.py`` checks the ids against
+  ``generate`` and ``tests/test_batch_invariance.py`` checks alone == batched.
+- Otherwise (or for generation options the lean loop does not implement) ``generate`` runs one request at
+  a time after reseeding the process-global torch RNG with the request seed, as GLM-Image's own pipeline
+  does.
 """
 
 from __future__ import annotations
@@ -15,10 +23,18 @@ import threading
 import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine.events import FinishReason, TokenProgress
 from engine.modality import OutputModality
@@ -62,6 +78,63 @@ def sampling_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     if params.get("repetition_penalty") is not None:
         kwargs["repetition_penalty"] = float(params["repetition_penalty"])
     return kwargs
+
+
+# Logits processors the lean loop applies itself (in the order transformers builds them); any other one
+# (a model's generation_config asking for more) sends the request to ``generate``.
+LEAN_PROCESSORS = (
+    RepetitionPenaltyLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+)
+
+
+class FastDecoder(Protocol):
+    """A family's lean decode step: prefill one request alone, then decode many rows per forward.
+
+    ``step`` must give every row exactly the logits it would get alone (same float math), so that
+    batching never changes a request's tokens.
+    """
+
+    def supports(self, model_inputs: dict[str, Any]) -> bool:
+        """Whether these inputs can take the lean loop (else ``generate``)."""
+
+    def prefill(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        """Run the prompt alone: (float32 logits of the next token, shape (1, V); the row's decode state)."""
+
+    def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        """Feed each row its last token (``tokens``: (B,)); ``steps[i]`` = tokens row i generated before
+        this one. Returns float32 logits (B, V)."""
+
+
+@dataclass
+class _Row:
+    """One request in the lean loop."""
+
+    job: StageJob
+    prepared: ARInputs
+    processors: LogitsProcessorList
+    eos: torch.Tensor | None
+    sample: bool
+    generator: torch.Generator | None
+    sequence: torch.Tensor  # prompt + room for every new token: the ids the processors see
+    state: Any = None
+    logits: torch.Tensor | None = None
+    length: int = 0  # tokens in ``sequence`` so far
+    generated: int = 0
+    reported: int = 0  # generated tokens already sent as deltas
+    last_report: float = 0.0
+    done: bool = False
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prepared.prompt_length
+
+    def ids(self) -> torch.Tensor:
+        return self.sequence[self.prompt_length : self.length]
 
 
 class _StreamHook(StoppingCriteria):
@@ -135,9 +208,159 @@ class TransformersARStage(StageRunner):
     def total_steps(self, job: StageJob) -> int:
         return int(job.scratch.get("max_new_tokens", 0))
 
+    def fast_decoder(self) -> FastDecoder | None:
+        """The family's lean decode step, or None to always use ``generate`` (the default)."""
+        return None
+
     def run(self, jobs: list[StageJob]) -> None:
+        decoder = self.fast_decoder()
+        if decoder is None:
+            for job in jobs:
+                self._run_one(job)
+            return
+        rows: list[_Row] = []
         for job in jobs:
-            self._run_one(job)
+            if job.cancelled:
+                continue
+            prepared = self.prepare(job)
+            job.scratch["max_new_tokens"] = prepared.max_new_tokens
+            job.input_tokens = prepared.prompt_length
+            row = self._lean_row(decoder, job, prepared)
+            if row is None:
+                try:
+                    self._run_one(job, prepared)
+                except StageCancelled:
+                    continue  # this job only; its neighbours go on
+            else:
+                rows.append(row)
+        if rows:
+            self._decode(decoder, rows)
+        if all(job.cancelled for job in jobs):
+            raise StageCancelled()
+
+    def _lean_row(self, decoder: FastDecoder, job: StageJob, prepared: ARInputs) -> _Row | None:
+        """A lean-loop row for the job, or None if it needs ``generate`` (options the loop lacks)."""
+        if prepared.generate_kwargs or not decoder.supports(prepared.model_inputs):
+            return None
+        model = self.model
+        kwargs = {**sampling_kwargs(job.params), **self._generation_limits(job, prepared)}
+        config, unused = model._prepare_generation_config(None, **kwargs)
+        if unused or config.num_beams not in (None, 1) or config.stop_strings or config.max_length is None:
+            return None
+        input_ids = prepared.model_inputs["input_ids"]
+        model._prepare_special_tokens(config, True, device=input_ids.device, batch_size=1)
+        processors = model._get_logits_processor(
+            generation_config=config,
+            input_ids_seq_length=prepared.prompt_length,
+            encoder_input_ids=input_ids,
+            logits_processor=LogitsProcessorList(),
+            device=input_ids.device,
+            model_kwargs={},
+        )
+        if not all(isinstance(p, LEAN_PROCESSORS) for p in processors):
+            return None
+        sample = bool(config.do_sample)
+        generator = None
+        if sample:
+            generator = torch.Generator(device=input_ids.device).manual_seed(int(job.params["seed"]))
+        sequence = torch.empty(
+            prepared.prompt_length + prepared.max_new_tokens, dtype=torch.long, device=input_ids.device
+        )
+        sequence[: prepared.prompt_length] = input_ids[0]
+        eos = config._eos_token_tensor
+        return _Row(
+            job=job,
+            prepared=prepared,
+            processors=processors,
+            eos=None if eos is None else eos.reshape(-1),
+            sample=sample,
+            generator=generator,
+            sequence=sequence,
+            length=prepared.prompt_length,
+        )
+
+    def _decode(self, decoder: FastDecoder, rows: list[_Row]) -> None:
+        """Prefill every row alone, then decode the live rows together, one forward per token."""
+        with torch.inference_mode():
+            for row in rows:
+                if row.job.cancelled:
+                    row.done = True
+                    continue
+                row.logits, row.state = decoder.prefill(row.prepared.model_inputs)
+            live = [row for row in rows if not row.done]
+            while live:
+                tokens = [self._next_token(row) for row in live]
+                chosen = [(row, token) for row, token in zip(live, tokens, strict=True) if not row.done]
+                live = [row for row, _ in chosen]
+                if not live:
+                    break
+                logits = decoder.step(
+                    [row.state for row in live],
+                    torch.stack([token for _, token in chosen]),
+                    [row.generated - 1 for row in live],
+                )
+                for i, row in enumerate(live):
+                    row.logits = logits[i : i + 1]
+        for row in rows:
+            row.state = row.logits = None
+            self._finish_row(row)
+
+    def _next_token(self, row: _Row) -> torch.Tensor:
+        """Pick the row's next token as ``generate`` would (processors, then argmax or multinomial)."""
+        scores = row.logits
+        assert scores is not None
+        if row.processors:
+            scores = row.processors(row.sequence[None, : row.length], scores)
+        if row.sample:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]
+        else:
+            token = torch.argmax(scores, dim=-1)[0]
+        row.sequence[row.length] = token
+        row.length += 1
+        row.generated += 1
+        if (
+            row.generated >= row.prepared.max_new_tokens
+            or (row.eos is not None and bool((row.eos == token).any()))
+            or row.job.cancelled
+        ):
+            row.done = True
+        self._report(row)
+        return token
+
+    def _report(self, row: _Row) -> None:
+        """Deltas and progress at most every PROGRESS_INTERVAL_S (and at the end)."""
+        now = time.monotonic()
+        if not row.done and now - row.last_report < PROGRESS_INTERVAL_S:
+            return
+        row.last_report = now
+        job = row.job
+        if row.generated > row.reported and not job.cancelled:
+            generated = row.ids()
+            self.emit_delta(job, generated[row.reported :], generated)
+            row.reported = row.generated
+        job.emit(
+            TokenProgress(
+                job.request_id,
+                job.index,
+                self.stage_id,
+                step=row.generated,
+                total=row.prepared.max_new_tokens,
+            )
+        )
+
+    def _finish_row(self, row: _Row) -> None:
+        job = row.job
+        if job.cancelled:
+            return
+        generated = row.ids().detach().cpu().clone()
+        job.output_tokens = int(generated.numel())
+        job.finish_reason = (
+            FinishReason.LENGTH if generated.numel() >= row.prepared.max_new_tokens else FinishReason.STOP
+        )
+        extras = self.finish(job, generated, row.prepared)
+        if extras:
+            job.add_output(extras)
 
     def _generation_limits(self, job: StageJob, prepared: ARInputs) -> dict[str, Any]:
         params = job.params
@@ -153,10 +376,11 @@ class TransformersARStage(StageRunner):
             limits["eos_token_id"] = eos_list + [i for i in stop_ids if i not in eos_list]
         return limits
 
-    def _run_one(self, job: StageJob) -> None:
+    def _run_one(self, job: StageJob, prepared: ARInputs | None = None) -> None:
         if job.cancelled:
             raise StageCancelled()
-        prepared = self.prepare(job)
+        if prepared is None:
+            prepared = self.prepare(job)
         job.scratch["max_new_tokens"] = prepared.max_new_tokens
         job.input_tokens = prepared.prompt_length
         hook = _StreamHook(self, job, prepared.prompt_length, prepared.max_new_tokens)
