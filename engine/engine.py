@@ -400,6 +400,51 @@ class OmniEngine:
     def queue_depths(self) -> dict[int, int]:
         return {sid: w.depth + w.active for sid, w in self.workers.items()}
 
+    def waiting_depths(self) -> dict[int, int]:
+        """Jobs waiting (not yet running) per stage."""
+        return {sid: w.depth for sid, w in self.workers.items()}
+
+    def position(self, request_id: str) -> int | None:
+        """How many jobs are ahead of the request's waiting job: those running at its stage plus those
+        queued before it. ``None`` when the request is not waiting (running, finished or unknown)."""
+        positions = self.queue_positions().get(request_id)
+        return min(positions.values()) if positions else None
+
+    def queue_positions(self) -> dict[str, dict[int, int]]:
+        """request id -> {stage id: jobs ahead of it} for every waiting request (its first waiting job)."""
+        positions: dict[str, dict[int, int]] = {}
+        for stage_id, worker in self.workers.items():
+            with worker.cond:
+                running = worker.active
+                for index, ticket in enumerate(worker.queue):
+                    positions.setdefault(ticket.handle.request_id, {}).setdefault(stage_id, running + index)
+        return positions
+
+    def check_context(self, resolved: ResolvedRequest) -> None:
+        """Refuse a prompt longer than an entry AR stage's context (``max_model_len`` or the model's
+        positions) before it is queued: :class:`RequestError` naming ``prompt``.
+
+        The count covers the prompt and message texts only (a chat template adds a few tokens, which the
+        stage still checks); it tokenizes only text with more UTF-8 bytes than the context has positions.
+        """
+        request = resolved.request
+        texts = [request.prompt or ""] + [turn.text for turn in request.messages or ()]
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        for stage in self.config.entry_stages:
+            if stage.kind != "ar":
+                continue
+            runner = self.runners[stage.stage_id]
+            limit = _context_length(runner, stage)
+            if not limit or size <= limit:  # a token covers at least one byte
+                continue
+            count = _count_tokens(runner, texts)
+            if count is not None and count > limit:
+                raise RequestError(
+                    "prompt",
+                    f"is {count} tokens; the model's context is {limit} tokens "
+                    f"(stage {stage.stage_id} max_model_len)",
+                )
+
     def submit(self, resolved: ResolvedRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; its events go to ``sink`` (called from engine threads)."""
         with self._lock:
@@ -415,10 +460,22 @@ class OmniEngine:
         return handle
 
     def cancel(self, request_id: str) -> bool:
-        handle = self._handles.get(request_id)
-        if handle is None:
-            return False
-        handle.cancel()
+        """Cancel a request: its waiting jobs leave the queues at once (the request ends now if none of
+        its jobs is running); a running job stops at its runner's next check (a token, a step)."""
+        with self._lock:
+            handle = self._handles.get(request_id)
+            if handle is None:
+                return False
+            handle.cancel()
+            dropped: list[_Ticket] = []
+            for worker in self.workers.values():
+                with worker.cond:
+                    keep = [t for t in worker.queue if t.handle is not handle]
+                    dropped += [t for t in worker.queue if t.handle is handle]
+                    worker.queue[:] = keep
+            now = time.time()
+            for ticket in dropped:
+                self._job_done(ticket, StageStatus.CANCELLED, None, now, now, 1)
         return True
 
     async def generate(self, resolved: ResolvedRequest, progress: bool = True) -> AsyncIterator[EngineEvent]:
@@ -445,7 +502,7 @@ class OmniEngine:
                     return
         finally:
             if not finished:
-                handle.cancel()
+                self.cancel(handle.request_id)
 
     def stream(self, resolved: ResolvedRequest) -> Iterator[EngineEvent]:
         """Blocking counterpart of :meth:`generate` (for the CLI and scripts)."""
@@ -461,7 +518,7 @@ class OmniEngine:
                     return
         finally:
             if not finished:
-                handle.cancel()
+                self.cancel(handle.request_id)
 
     def run(self, request: GenerationRequest) -> RunFinished:
         """Run a request to the end; raises ``RuntimeError`` with the engine's message if it fails."""
@@ -656,6 +713,31 @@ class OmniEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _context_length(runner: StageRunner, stage: ResolvedStage) -> int | None:
+    """The AR stage's context: ``max_model_len`` (config or vLLM's), else the model's positions."""
+    limit = stage.engine_args.max_model_len or getattr(runner, "max_model_len", None)
+    if limit:
+        return int(limit)
+    config = getattr(getattr(runner, "model", None), "config", None)
+    for candidate in (config, getattr(config, "text_config", None)):
+        positions = getattr(candidate, "max_position_embeddings", None)
+        if isinstance(positions, int) and positions > 0:
+            return positions
+    return None
+
+
+def _count_tokens(runner: StageRunner, texts: list[str]) -> int | None:
+    """Tokens of ``texts`` under the runner's tokenizer; ``None`` when it has none (the stage checks)."""
+    processor = getattr(runner, "processor", None)
+    tokenizer = getattr(runner, "tokenizer", None) or getattr(processor, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    try:
+        return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
+    except Exception:  # a tokenizer that refuses the text: the stage reports it
+        return None
 
 
 def build_engine(

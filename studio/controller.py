@@ -8,11 +8,13 @@ serving. History survives because the store is independent of the engine.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import difflib
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import UnknownModelFamily
 from engine.tiny import BUILTIN_MODELS
 from studio.api.app import ServingState
-from studio.runs import RunService
+from studio.runs import Queued, RunRejected, RunService
 from studio.store.files import OutputFiles
 
 log = logging.getLogger("omni_studio")
@@ -64,6 +66,9 @@ class ShareInfo:
     password: str | None = None
     api_key_generated: bool = False
     message: str = ""
+
+
+QUEUE_POLL_S = 0.25  # how often a waiting UI run reports its place in the queue
 
 
 def generate_secret(nbytes: int = 12) -> str:
@@ -267,21 +272,53 @@ class Studio:
         return self.runs.resolve(self.engine, request)
 
     async def run(
-        self, resolved: ResolvedRequest, payload: dict[str, Any]
-    ) -> AsyncIterator[tuple[str, EngineEvent]]:
-        """Run a UI request through the engine, recording it; yields (run id, event)."""
+        self, resolved: ResolvedRequest, payload: dict[str, Any], session: str | None = None
+    ) -> AsyncGenerator[tuple[str, EngineEvent | Queued], None]:
+        """Run a UI request through the engine, recording it; yields (run id, event).
+
+        While the request waits in a stage's queue it also yields :class:`Queued` (how many jobs are ahead
+        of it) when that changes, checked every ``QUEUE_POLL_S``. ``session`` (the UI session) is held to ``--max-in-flight-per-client``:
+        past it the run is recorded as refused and :class:`RunRejected` raised.
+        """
         engine = self.engine
         tracker = self.runs.start(
             engine, resolved, self.serving.served_model_name, self.system_fingerprint, payload
         )
+        slots = self.serving.client_slots
+        client = f"ui-session:{session}" if session else None
+        if client is not None and not slots.acquire(client):
+            raise self.runs.reject(RunRejected("client_limit", slots.message()), tracker)
         stopped = "stopped from the studio"
         events = self.runs.events(engine, resolved, tracker, stopped=stopped)
+        pending: asyncio.Future[EngineEvent] | None = None
         try:
-            async for event in events:
+            last_ahead: int | None = None
+            while True:
+                pending = asyncio.ensure_future(events.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({pending}, timeout=QUEUE_POLL_S)
+                    if done:
+                        break
+                    ahead = engine.position(resolved.request_id)
+                    if ahead is not None and ahead != last_ahead:
+                        last_ahead = ahead
+                        yield resolved.request_id, Queued(resolved.request_id, ahead)
+                try:
+                    event = await pending
+                except StopAsyncIteration:
+                    pending = None
+                    return
+                pending = None
                 yield resolved.request_id, event
         finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, RunRejected):
+                    await pending
             await events.aclose()
             tracker.fail(stopped, cancelled=True)  # a no-op when the run has its outcome already
+            if client is not None:
+                slots.release(client)
 
     def keep_image(self, image: Any) -> str:
         """Write an output image to the run store's files (once per hash); returns its path."""

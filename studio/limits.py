@@ -31,6 +31,13 @@ class InputLimits:
     max_n: int = field(default=8, metadata={"help": "outputs per request (n)"})
     max_steps: int = field(default=1000, metadata={"help": "denoising steps (num_inference_steps)"})
     max_image_side: int = field(default=4096, metadata={"help": "width or height of an output image"})
+    max_queue: int = field(
+        default=64, metadata={"help": "requests queued or running in the engine (429 past it)"}
+    )
+    max_in_flight_per_client: int = field(
+        default=8,
+        metadata={"help": "requests queued or running per API client or UI session (429 past it)"},
+    )
 
     def __post_init__(self) -> None:
         for item in fields(self):

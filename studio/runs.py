@@ -10,7 +10,9 @@ wins, so a caller may record a more precise reason (e.g. "the client disconnecte
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -78,6 +80,49 @@ class RunRejected(Exception):
 Terminal = RunFinished | RunFailed
 
 
+@dataclass(frozen=True)
+class Queued:
+    """Not an engine event: the run is waiting in a stage's queue with ``ahead`` jobs before it."""
+
+    request_id: str
+    ahead: int
+
+
+class ClientSlots:
+    """Requests in flight per client (an API key and address, a UI session): at most ``limit`` each."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def in_flight(self, client: str) -> int:
+        with self._lock:
+            return self._counts.get(client, 0)
+
+    def full(self, client: str) -> bool:
+        return self.in_flight(client) >= self.limit
+
+    def acquire(self, client: str) -> bool:
+        with self._lock:
+            count = self._counts.get(client, 0)
+            if count >= self.limit:
+                return False
+            self._counts[client] = count + 1
+            return True
+
+    def release(self, client: str) -> None:
+        with self._lock:
+            count = self._counts.get(client, 0) - 1
+            if count > 0:
+                self._counts[client] = count
+            else:
+                self._counts.pop(client, None)
+
+    def message(self) -> str:
+        return f"{self.limit} requests of this client are in flight (limit {self.limit}, --max-in-flight-per-client)"
+
+
 class RunService:
     """Runs requests from one source (``api``, ``ui`` or ``cli``) through an engine, recording them."""
 
@@ -88,12 +133,14 @@ class RunService:
         files: OutputFiles | None = None,
         on_event: Callable[[EngineEvent], None] | None = None,
         limits: InputLimits | None = None,
+        slots: ClientSlots | None = None,
     ) -> None:
         self.recorder = recorder
         self.source = source
         self.files = files
         self.on_event = on_event
         self.limits = limits or InputLimits()
+        self.slots = slots
 
     def resolve(self, engine: OmniEngine, request: GenerationRequest) -> ResolvedRequest:
         """Defaults and checks applied (raises :class:`engine.RequestError` for a bad request).
@@ -117,7 +164,23 @@ class RunService:
                 raise RequestError(
                     name, f"is not valid Unicode text (a lone surrogate at {exc.start})"
                 ) from None
-        return engine.resolve(request)
+        resolved = engine.resolve(request)
+        engine.check_context(resolved)  # a prompt past the model's context never reaches the queue
+        return resolved
+
+    def admission_problem(self, engine: OmniEngine, client: str | None) -> RunRejected | None:
+        """Why a run of ``client`` would be refused now (the client's limit, a full queue), or ``None``.
+
+        A streamed response checks this before its headers go out, so the refusal is a 429, not an
+        error chunk; the run itself still enforces both.
+        """
+        if client is not None and self.slots is not None and self.slots.full(client):
+            return RunRejected("client_limit", self.slots.message())
+        if engine.in_flight >= engine.max_pending:
+            return RunRejected(
+                "queue_full", f"{engine.in_flight} requests in flight (limit {engine.max_pending})"
+            )
+        return None
 
     def start(
         self,
@@ -138,6 +201,17 @@ class RunService:
             self.on_event(event)
 
     @staticmethod
+    def reject(rejection: RunRejected, tracker: RunTracking) -> RunRejected:
+        """Record ``rejection`` as the run's failure and return it (to raise)."""
+        if rejection.reason == "client_limit":
+            tracker.fail(f"rejected: too many requests of this client ({rejection.message})")
+        elif rejection.reason == "queue_full":
+            tracker.fail(f"rejected: queue full ({rejection.message})")
+        else:
+            tracker.fail("rejected: the engine is being replaced")
+        return rejection
+
+    @staticmethod
     def _rejected(exc: Exception, tracker: RunTracking) -> RunRejected:
         if isinstance(exc, EngineBusy):
             tracker.fail(f"rejected: queue full ({exc})")
@@ -153,12 +227,17 @@ class RunService:
         *,
         progress: bool = True,
         stopped: str = "stopped before the run finished",
+        client: str | None = None,
     ) -> AsyncGenerator[EngineEvent, None]:
         """The engine's events for ``resolved``, recorded as they pass.
 
-        A refused run raises :class:`RunRejected`; a run left before its terminal event (the iterator
-        closed, an error) is recorded as cancelled with ``stopped``, and closing cancels the request.
+        A refused run (the engine's queue full, ``client`` at its in-flight limit) raises
+        :class:`RunRejected`; a run left before its terminal event (the iterator closed, an error) is
+        recorded as cancelled with ``stopped``, and closing cancels the request.
         """
+        slots = self.slots if client is not None else None
+        if slots is not None and client is not None and not slots.acquire(client):
+            raise self.reject(RunRejected("client_limit", slots.message()), tracker)
         # OmniEngine.generate is an async generator (typed as an iterator): closing it cancels the request.
         agen = cast(AsyncGenerator[EngineEvent, None], engine.generate(resolved, progress=progress))
         finished = False
@@ -177,14 +256,24 @@ class RunService:
         finally:
             if not finished:
                 tracker.fail(stopped, cancelled=True)
-            await agen.aclose()
+            try:
+                await agen.aclose()
+            finally:
+                if slots is not None and client is not None:
+                    slots.release(client)
 
     async def run_to_end(
-        self, engine: OmniEngine, resolved: ResolvedRequest, tracker: RunTracking, *, stopped: str
+        self,
+        engine: OmniEngine,
+        resolved: ResolvedRequest,
+        tracker: RunTracking,
+        *,
+        stopped: str,
+        client: str | None = None,
     ) -> Terminal | None:
         """Run ``resolved`` without watching its progress; returns its terminal event."""
         terminal: Terminal | None = None
-        events = self.events(engine, resolved, tracker, progress=False, stopped=stopped)
+        events = self.events(engine, resolved, tracker, progress=False, stopped=stopped, client=client)
         try:
             async for event in events:
                 if isinstance(event, (RunFinished, RunFailed)):

@@ -42,7 +42,7 @@ from studio.api.serving_chat import OpenAIServingChat
 from studio.api.serving_images import OpenAIServingImages
 from studio.api.serving_models import OpenAIServingModels
 from studio.limits import InputLimits
-from studio.runs import Recording, RunService
+from studio.runs import ClientSlots, Recording, RunService
 from studio.store.files import OutputFiles
 
 log = logging.getLogger("omni_studio.api")
@@ -91,6 +91,8 @@ class ServingState:
         self.engine: OmniEngine | None = None
         self.handlers: Handlers | None = None
         self._lock = threading.Lock()
+        # Per-client in-flight counts outlive handler rebuilds (fingerprint changes, engine swaps).
+        self.client_slots = ClientSlots(self.options.limits.max_in_flight_per_client)
         if engine is not None:
             self.set_engine(engine)
 
@@ -117,7 +119,12 @@ class ServingState:
                 metrics.observe_stage(event)
 
         return RunService(
-            self.recorder, self.source, self.files, on_event=observe, limits=self.options.limits
+            self.recorder,
+            self.source,
+            self.files,
+            on_event=observe,
+            limits=self.options.limits,
+            slots=self.client_slots,
         )
 
     def build_handlers(self) -> Handlers:
@@ -145,7 +152,10 @@ class ServingState:
             return self.handlers
 
     def set_engine(self, engine: OmniEngine | None) -> None:
-        """Serve ``engine`` (``None`` while a new one is being built: requests get 503)."""
+        """Serve ``engine`` (``None`` while a new one is being built: requests get 503); its queue bound
+        is ``--max-queue``."""
+        if engine is not None:
+            engine.max_pending = self.options.limits.max_queue
         self.engine = engine
         if engine is None:
             self.handlers = None
@@ -423,8 +433,12 @@ async def _metrics(request: Request, state: ServingState) -> Response:
                 "missing_api_key",
             )
     engine = state.engine
-    depths = engine.queue_depths() if engine else {}
-    body = state.metrics.render(depths, engine.in_flight if engine else 0)
+    if engine is None:
+        body = state.metrics.render({}, 0)
+    else:
+        body = state.metrics.render(
+            engine.queue_depths(), engine.in_flight, engine.waiting_depths(), engine.queue_positions()
+        )
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -31,6 +31,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.run_id: str | None = None  # set once the failure is recorded as a run
+        self.retry_after: int | None = None  # seconds, sent as ``Retry-After`` (429s)
 
     @property
     def type(self) -> str:
@@ -43,6 +44,8 @@ class APIError(Exception):
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
         if self.run_id:
             headers["X-Run-Id"] = self.run_id
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics for ``GET /metrics``: requests, latency, per-stage time, queue depth."""
+"""Prometheus metrics for ``GET /metrics``: requests, latency, per-stage time, queue depth and each
+waiting request's place in its stage's queue."""
 
 from __future__ import annotations
 
@@ -41,12 +42,37 @@ class APIMetrics:
             "omni_studio_requests_in_flight", "Requests inside the engine", registry=self.registry
         )
 
+        self.queue_waiting = Gauge(
+            "omni_studio_queue_waiting",
+            "Jobs waiting (not yet running) per stage",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.queue_position = Gauge(
+            "omni_studio_request_queue_position",
+            "Jobs ahead of each waiting request at its stage (running there plus queued before it)",
+            ["request_id", "stage"],
+            registry=self.registry,
+        )
+
     def observe_stage(self, event: StageFinished) -> None:
         if event.status == "succeeded":
             self.stage_seconds.labels(str(event.stage_id), event.kind).observe(event.seconds)
 
-    def render(self, queue_depths: dict[int, int], in_flight: int) -> bytes:
+    def render(
+        self,
+        queue_depths: dict[int, int],
+        in_flight: int,
+        waiting: dict[int, int] | None = None,
+        positions: dict[str, dict[int, int]] | None = None,
+    ) -> bytes:
         for stage, depth in queue_depths.items():
             self.queue_depth.labels(str(stage)).set(depth)
         self.in_flight.set(in_flight)
+        for stage, depth in (waiting or {}).items():
+            self.queue_waiting.labels(str(stage)).set(depth)
+        self.queue_position.clear()  # only the requests waiting now
+        for request_id, stages in (positions or {}).items():
+            for stage, ahead in stages.items():
+                self.queue_position.labels(request_id, str(stage)).set(ahead)
         return generate_latest(self.registry)

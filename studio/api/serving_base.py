@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from fastapi import Request
 
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.events import EngineEvent, RunFailed, RunFinished
+from studio.api.auth import client_address
 from studio.api.errors import APIError
 from studio.api.metrics import APIMetrics
 from studio.limits import InputLimits
@@ -49,11 +51,33 @@ def png_data_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
 
+RETRY_AFTER_S = 1
+
+
 def rejection_error(exc: RunRejected) -> APIError:
-    """Queue full -> 429, engine being replaced -> 503."""
-    if exc.reason == "queue_full":
-        return APIError(429, f"The server is busy: {exc.message}. Retry later.", None, "queue_full")
+    """Queue full or the client's in-flight limit -> 429 with ``Retry-After``, engine being replaced -> 503."""
+    if exc.reason in ("queue_full", "client_limit"):
+        message = (
+            f"The server is busy: {exc.message}. Retry later."
+            if exc.reason == "queue_full"
+            else f"Too many requests in flight: {exc.message}. Retry when one has finished."
+        )
+        error = APIError(429, message, None, exc.reason)
+        error.retry_after = RETRY_AFTER_S
+        return error
     return APIError(503, "The engine is restarting; retry shortly", None, "engine_not_ready")
+
+
+def client_id(raw_request: Request | None) -> str | None:
+    """Who a request counts against for ``--max-in-flight-per-client``: its address and the API key
+    it sends (hashed), so clients behind one address keep apart by key and keyless clients by address."""
+    if raw_request is None:
+        return None
+    header = raw_request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    key = token.strip() if scheme.lower() == "bearer" else ""
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16] if key else "-"
+    return f"{client_address(raw_request.scope)}|{digest}"
 
 
 class OpenAIServing:
@@ -75,11 +99,24 @@ class OpenAIServing:
                 "model_not_found",
             )
 
+    prompt_field = "prompt"  # what the client calls the prompt (chat: ``messages``)
+
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
         try:
             return self.runs.resolve(self.engine, request)
         except RequestError as exc:
-            raise APIError(400, str(exc), exc.field) from exc
+            field = self.prompt_field if exc.field in ("prompt", "history") else exc.field
+            message = str(exc)
+            if field != exc.field:
+                message = f"{field}: {exc.message}"
+            raise APIError(400, message, field) from exc
+
+    def check_admission(self, tracker: RunTracking, raw_request: Request | None) -> None:
+        """429 (recorded) now when the client is at its limit or the queue is full (streams check this
+        before their headers go out)."""
+        problem = self.runs.admission_problem(self.engine, client_id(raw_request))
+        if problem is not None:
+            raise recorded(rejection_error(self.runs.reject(problem, tracker)), tracker)
 
     def track(self, resolved: ResolvedRequest, payload: dict[str, Any]) -> RunTracking:
         return self.runs.start(
@@ -87,10 +124,10 @@ class OpenAIServing:
         )
 
     async def events(
-        self, resolved: ResolvedRequest, tracker: RunTracking, *, stopped: str
+        self, resolved: ResolvedRequest, tracker: RunTracking, *, stopped: str, client: str | None = None
     ) -> AsyncGenerator[EngineEvent, None]:
         """The engine's events for ``resolved``, recorded as they pass; a refused run becomes 429/503."""
-        events = self.runs.events(self.engine, resolved, tracker, stopped=stopped)
+        events = self.runs.events(self.engine, resolved, tracker, stopped=stopped, client=client)
         try:
             try:
                 async for event in events:
@@ -114,7 +151,11 @@ class OpenAIServing:
     ) -> RunFinished:
         task = asyncio.create_task(
             self.runs.run_to_end(
-                self.engine, resolved, tracker, stopped="the request was cancelled by the server"
+                self.engine,
+                resolved,
+                tracker,
+                stopped="the request was cancelled by the server",
+                client=client_id(raw_request),
             )
         )
         try:
@@ -135,7 +176,7 @@ class OpenAIServing:
         try:
             terminal = task.result()
         except RunRejected as exc:
-            raise rejection_error(exc) from exc
+            raise recorded(rejection_error(exc), tracker) from exc
         if isinstance(terminal, RunFinished):
             return terminal
         if isinstance(terminal, RunFailed):

@@ -27,7 +27,7 @@ from engine.events import (
 from studio.api.errors import APIError
 from studio.api.inputs import chat_to_engine_request
 from studio.api.protocol import ChatCompletionRequest, completion_id, now
-from studio.api.serving_base import OpenAIServing, RunTracking, png_data_url, usage_of
+from studio.api.serving_base import OpenAIServing, RunTracking, client_id, png_data_url, usage_of
 
 
 def message_content(output: RunOutput) -> str | list[dict[str, Any]]:
@@ -46,6 +46,8 @@ def sse(data: dict[str, Any]) -> str:
 
 
 class OpenAIServingChat(OpenAIServing):
+    prompt_field = "messages"
+
     async def create(self, request: ChatCompletionRequest, payload: dict[str, Any], raw: Request | None):
         self.check_model(request.model)
         engine_request = chat_to_engine_request(request, self.context.limits)
@@ -53,8 +55,9 @@ class OpenAIServingChat(OpenAIServing):
         tracker = self.track(resolved, payload)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            self.check_admission(tracker, raw)  # a 429, not an error chunk after a 200
             return StreamingResponse(
-                self.stream(resolved, tracker, include_usage),
+                self.stream(resolved, tracker, include_usage, client_id(raw)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Run-Id": tracker.run_id},
             )
@@ -78,7 +81,9 @@ class OpenAIServingChat(OpenAIServing):
             body["system_fingerprint"] = self.system_fingerprint
         return JSONResponse(body, headers={"X-Run-Id": tracker.run_id})
 
-    async def stream(self, resolved, tracker: RunTracking, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(
+        self, resolved, tracker: RunTracking, include_usage: bool, client: str | None = None
+    ) -> AsyncIterator[str]:
         chunk_id, created = completion_id(), now()
         n = resolved.n
 
@@ -104,7 +109,9 @@ class OpenAIServingChat(OpenAIServing):
             ]
         )
         finished = False
-        events = self.events(resolved, tracker, stopped="the client disconnected during the stream")
+        events = self.events(
+            resolved, tracker, stopped="the client disconnected during the stream", client=client
+        )
         try:
             async for event in events:
                 piece = self._event_chunk(event, delta, chunk)

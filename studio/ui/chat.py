@@ -24,6 +24,7 @@ from engine.events import (
 from engine.modality import OutputModality
 from studio.api.inputs import params_from_fields
 from studio.controller import Studio
+from studio.runs import Queued, RunRejected
 
 # The UI coalesces progress: every yield costs the (GIL-sharing) server a diff and a message, and the tiny
 # models make thousands of tokens a second.
@@ -204,6 +205,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         temperature_v,
         modalities_v,
         preview_every_v,
+        request: gr.Request,
     ):
         history = list(history or [])
         text = (message_value or {}).get("text", "") or ""
@@ -253,71 +255,94 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             gr.skip(),
             f"Running… seed {resolved.seed}",
         )
-        async for rid, event in studio.run(
-            resolved, {"source": "studio chat", "prompt": text, "parameters": resolved.parameters}
-        ):
-            if isinstance(event, StageStarted):
-                stages[event.stage_id] = {
-                    "kind": event.kind,
-                    "step": 0,
-                    "total": event.total,
-                    "status": "running",
-                }
-                yield gr.skip(), gr.skip(), render_progress(stages), gr.skip(), rid, gr.skip(), gr.skip()
-            elif isinstance(event, (TokenProgress, DiffusionStep)):
-                stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
-                stage.update(step=event.step, total=event.total)
-                preview = event.preview if isinstance(event, DiffusionStep) else None
-                has_preview = preview is not None
-                now = time.monotonic()
-                if has_preview or now - last_update >= UI_UPDATE_INTERVAL_S:
-                    last_update = now
-                    preview_update = preview if has_preview else gr.skip()
+        runs = studio.run(
+            resolved,
+            {"source": "studio chat", "prompt": text, "parameters": resolved.parameters},
+            session=getattr(request, "session_hash", None),
+        )
+        try:
+            async for rid, event in runs:
+                if isinstance(event, Queued):
+                    ahead = f"{event.ahead} ahead of you" if event.ahead else "next in line"
+                    note = f"Queued… {ahead} · seed {resolved.seed}"
+                    yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), rid, gr.skip(), note
+                elif isinstance(event, StageStarted):
+                    stages[event.stage_id] = {
+                        "kind": event.kind,
+                        "step": 0,
+                        "total": event.total,
+                        "status": "running",
+                    }
+                    running = f"Running… seed {resolved.seed}"
+                    yield gr.skip(), gr.skip(), render_progress(stages), gr.skip(), rid, gr.skip(), running
+                elif isinstance(event, (TokenProgress, DiffusionStep)):
+                    stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
+                    stage.update(step=event.step, total=event.total)
+                    preview = event.preview if isinstance(event, DiffusionStep) else None
+                    has_preview = preview is not None
+                    now = time.monotonic()
+                    if has_preview or now - last_update >= UI_UPDATE_INTERVAL_S:
+                        last_update = now
+                        preview_update = preview if has_preview else gr.skip()
+                        yield (
+                            gr.skip(),
+                            gr.skip(),
+                            render_progress(stages),
+                            preview_update,
+                            rid,
+                            gr.skip(),
+                            gr.skip(),
+                        )
+                elif isinstance(event, TextDelta):
+                    streamed += event.text
+                    history[-1] = {"role": "assistant", "content": streamed}
+                    now = time.monotonic()
+                    if now - last_update >= UI_UPDATE_INTERVAL_S / 4:
+                        last_update = now
+                        yield history, gr.skip(), gr.skip(), gr.skip(), rid, gr.skip(), gr.skip()
+                elif isinstance(event, StageFinished):
+                    stage = stages.setdefault(event.stage_id, {"kind": event.kind})
+                    stage.update(status=event.status, seconds=event.seconds)
+                    if event.status == "succeeded":
+                        stage["step"] = stage.get("total", 0)
+                    yield gr.skip(), gr.skip(), render_progress(stages), gr.skip(), rid, gr.skip(), gr.skip()
+                elif isinstance(event, RunFinished):
+                    content: list[Any] = []
+                    if event.text:
+                        content.append(event.text)
+                    image_path = None
+                    for image in event.images:
+                        image_path = studio.keep_image(image)
+                        content.append({"path": image_path, "alt_text": f"seed {event.outputs[0].seed}"})
+                    history[-1] = {"role": "assistant", "content": content or "(no output)"}
+                    seconds = sum(s.get("seconds") or 0 for s in stages.values())
                     yield (
-                        gr.skip(),
+                        history,
                         gr.skip(),
                         render_progress(stages),
-                        preview_update,
-                        rid,
                         gr.skip(),
-                        gr.skip(),
+                        None,
+                        image_path,
+                        f"Done in {seconds:.2f} s · seed {resolved.seed} · run `{rid[:12]}`",
                     )
-            elif isinstance(event, TextDelta):
-                streamed += event.text
-                history[-1] = {"role": "assistant", "content": streamed}
-                now = time.monotonic()
-                if now - last_update >= UI_UPDATE_INTERVAL_S / 4:
-                    last_update = now
-                    yield history, gr.skip(), gr.skip(), gr.skip(), rid, gr.skip(), gr.skip()
-            elif isinstance(event, StageFinished):
-                stage = stages.setdefault(event.stage_id, {"kind": event.kind})
-                stage.update(status=event.status, seconds=event.seconds)
-                if event.status == "succeeded":
-                    stage["step"] = stage.get("total", 0)
-                yield gr.skip(), gr.skip(), render_progress(stages), gr.skip(), rid, gr.skip(), gr.skip()
-            elif isinstance(event, RunFinished):
-                content: list[Any] = []
-                if event.text:
-                    content.append(event.text)
-                image_path = None
-                for image in event.images:
-                    image_path = studio.keep_image(image)
-                    content.append({"path": image_path, "alt_text": f"seed {event.outputs[0].seed}"})
-                history[-1] = {"role": "assistant", "content": content or "(no output)"}
-                seconds = sum(s.get("seconds") or 0 for s in stages.values())
-                yield (
-                    history,
-                    gr.skip(),
-                    render_progress(stages),
-                    gr.skip(),
-                    None,
-                    image_path,
-                    f"Done in {seconds:.2f} s · seed {resolved.seed} · run `{rid[:12]}`",
-                )
-            elif isinstance(event, RunFailed):
-                note = "⏹ Stopped." if event.cancelled else f"⚠️ {event.message}"
-                history[-1] = {"role": "assistant", "content": note}
-                yield history, gr.skip(), render_progress(stages), gr.skip(), None, gr.skip(), note
+                elif isinstance(event, RunFailed):
+                    note = "⏹ Stopped." if event.cancelled else f"⚠️ {event.message}"
+                    history[-1] = {"role": "assistant", "content": note}
+                    yield history, gr.skip(), render_progress(stages), gr.skip(), None, gr.skip(), note
+
+        except RunRejected as exc:
+            history[-1] = {"role": "assistant", "content": f"⚠️ {exc.message}"}
+            yield (
+                history,
+                gr.skip(),
+                render_progress({}),
+                gr.skip(),
+                None,
+                gr.skip(),
+                f"**Busy** — {exc.message}",
+            )
+        finally:
+            await runs.aclose()
 
     inputs = [
         message,

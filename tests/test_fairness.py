@@ -1,0 +1,89 @@
+"""Isolation and fairness: a per-client in-flight limit, a bounded queue (429 + Retry-After), queue
+positions in /metrics, against a live `omni-studio serve`."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from tests.servers import running_server
+from tests.test_abort import drop, long_chat, long_image, metric, send_raw, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    args = ["serve", "--model", "tiny-glm-image", "--max-in-flight-per-client", "2", "--max-queue", "3"]
+    with running_server(args, tmp_path_factory.mktemp("fairness")) as live:
+        yield live
+
+
+def post(server, key: str, body: dict) -> httpx.Response:
+    return httpx.post(
+        server.url + "/v1/images/generations",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+
+
+def positions(server) -> list[float]:
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    return sorted(
+        float(v) for v in re.findall(r"^omni_studio_request_queue_position\{[^}]*\} (\S+)$", text, re.M)
+    )
+
+
+def test_per_client_limit_queue_bound_and_positions(server):
+    url = server.url + "/v1/chat/completions"
+    a1 = send_raw(url, long_chat(False), key="client-a")
+    wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 1, 30)
+    a2 = send_raw(url, long_chat(False), key="client-a")
+    wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 2, 10)
+
+    # client a is at its limit (2): its third request is refused at once, recorded, with Retry-After
+    refused = post(server, "client-a", long_image(steps=1))
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["retry-after"].isdigit()
+    assert refused.json()["error"]["code"] == "client_limit"
+    assert refused.headers.get("x-run-id")
+
+    # another client still gets in; while it waits its place in the queue is in /metrics
+    b1 = send_raw(server.url + "/v1/images/generations", long_image(steps=1), key="client-b")
+    wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 3, 10)
+    wait_for(lambda: positions(server) == [1.0, 2.0], 10)  # a2 behind a1, b1 behind both
+    assert re.search(
+        r'^omni_studio_queue_waiting\{stage="0"\} 2\.0$', httpx.get(server.url + "/metrics").text, re.M
+    )
+
+    # the queue (--max-queue 3) is full: a third client gets 429 + Retry-After
+    full = post(server, "client-c", long_image(steps=1))
+    assert full.status_code == 429, full.text
+    assert full.headers["retry-after"].isdigit()
+    assert full.json()["error"]["code"] == "queue_full"
+
+    # client a walks away: client b's request runs to a 200 and client a has slots again
+    drop(a1)
+    drop(a2)
+    drop(b1)
+    wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 0, 5)
+    assert post(server, "client-b", long_image(steps=1)).status_code == 200
+    assert post(server, "client-a", long_image(steps=1)).status_code == 200
+
+
+def test_a_streamed_request_over_the_client_limit_is_a_429_not_a_chunk(server):
+    url = server.url + "/v1/chat/completions"
+    held = [send_raw(url, long_chat(False), key="client-s") for _ in range(2)]
+    try:
+        wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 2, 30)
+        response = httpx.post(
+            url,
+            json={**long_chat(True), "height": 64, "width": 64},
+            headers={"Authorization": "Bearer client-s"},
+        )
+        assert response.status_code == 429 and response.headers["retry-after"].isdigit()
+    finally:
+        for sock in held:
+            drop(sock)
+    wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 0, 5)
