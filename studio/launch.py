@@ -3,24 +3,56 @@
 ``omni-studio serve`` -> :func:`serve_api` (the API alone, on uvicorn); ``omni-studio ui`` ->
 :func:`launch_ui` (Gradio and the whole ``/v1`` API on one port). Both take a :class:`StudioSettings`
 and nothing else; start-up failures become :class:`StartupError` with a message that says what to change.
+
+Both listen first and load second. The port answers within a second of the process start, before torch,
+transformers, diffusers or Gradio are imported: :class:`StartingApp` answers ``/health`` with 503
+``starting``, ``/v1/*`` with 503 ``engine_not_ready`` (an OpenAI error body) and ``Retry-After``, and ``/``
+(``ui``) with a "loading model" page that reloads itself once the studio answers. Then the engine loads:
+``serve`` puts the real API behind the same server (no gap); ``ui`` hands the port to Gradio's
+``launch()`` (share links need it) once the engine and the UI are built, a gap of a fraction of a second
+that the loading page and ``/health`` pollers ride over. A failed load stops the server and exits 1 with
+the start-up error, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib
+import json
 import logging
+import os
+import secrets
+import socket
 import sys
 import threading
+import time
+import types
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from studio.errors import StartupError
 from studio.settings import StudioSettings
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from engine import OmniEngine
     from studio.api.app import ServingOptions
     from studio.store.recorder import RunRecorder
+
+log = logging.getLogger("omni_studio")
+
+# Test-only: seconds to sleep before the engine loads, so tests can watch the loading state.
+LOAD_DELAY_ENV = "OMNI_STUDIO_TEST_LOAD_DELAY_S"
+RETRY_AFTER_S = 2  # what 503s during loading tell clients to wait
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def tune_interpreter() -> None:
@@ -35,11 +67,16 @@ def tune_interpreter() -> None:
 
 def start_engine(settings: StudioSettings, max_pending: int = 64) -> OmniEngine:
     """Validate the deploy config against the model, build the model if built in, load every stage."""
+    delay = float(os.environ.get(LOAD_DELAY_ENV) or 0)
+    if delay > 0:  # test-only (see LOAD_DELAY_ENV)
+        time.sleep(delay)
     from engine.config import DeployConfigError
     from engine.engine import EngineBuildError, build_engine
+    from engine.environment import quiet_libraries
     from engine.models import ModelNotFound
     from engine.pipelines import UnknownModelFamily
 
+    quiet_libraries()  # again, now that the model libraries are imported (their progress bars off)
     try:
         return build_engine(
             settings.model,
@@ -84,50 +121,281 @@ def serving_options(settings: StudioSettings) -> ServingOptions:
     )
 
 
-def serve_api(settings: StudioSettings) -> int:
-    """``omni-studio serve``: the OpenAI-compatible API alone, on uvicorn."""
+def import_api_module(name: str) -> types.ModuleType:
+    """``studio.api.<name>`` without running ``studio/api/__init__.py`` first when that is not loaded yet.
+
+    The package's ``__init__`` imports the whole API and, through the engine, torch (seconds); the CLI
+    only needs the fingerprint settings to check the flags before anything loads. The real package is
+    imported later, finds the module in ``sys.modules`` and :func:`import_api` re-attaches it.
+    """
+    full = f"studio.api.{name}"
+    if "studio.api" in sys.modules or full in sys.modules:
+        return importlib.import_module(full)
+    stub = types.ModuleType("studio.api")
+    stub.__path__ = [str(Path(__file__).resolve().parent / "api")]
+    sys.modules["studio.api"] = stub
+    try:
+        return importlib.import_module(full)
+    finally:
+        if sys.modules.get("studio.api") is stub:
+            del sys.modules["studio.api"]
+
+
+def import_api() -> types.ModuleType:
+    """``studio.api.app`` (torch and the engine with it), with every submodule an attribute of the package."""
+    app = importlib.import_module("studio.api.app")
+    package = sys.modules["studio.api"]
+    for full, module in list(sys.modules.items()):
+        if full.startswith("studio.api.") and full.count(".") == 2 and module is not None:
+            setattr(package, full.rsplit(".", 1)[1], module)
+    return app
+
+
+# -- listening before loading -----------------------------------------------------------------------
+
+LOADING_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Omni Studio · loading model</title>
+<style>body{{font-family:system-ui,sans-serif;margin:12vh auto;max-width:36em;color:#333}}
+.spin{{display:inline-block;animation:s 1s linear infinite}}@keyframes s{{to{{transform:rotate(360deg)}}}}
+</style></head>
+<body><h2 id="omni-header">Omni Studio · loading model {model} <span class="spin">◌</span></h2>
+<p id="omni-loading">The engine is starting (importing the model libraries, loading every stage). This
+page opens the studio by itself when it is ready; the API answers 503 <code>engine_not_ready</code> with
+<code>Retry-After</code> until then.</p>
+<p><small id="omni-waited"></small></p>
+<script>
+const started = Date.now();
+async function poll() {{
+  try {{
+    const r = await fetch("/health", {{cache: "no-store"}});
+    if (r.status === 200) {{ location.reload(); return; }}
+  }} catch (e) {{}}
+  document.getElementById("omni-waited").textContent =
+    "waiting " + Math.round((Date.now() - started) / 1000) + " s";
+  setTimeout(poll, 500);
+}}
+setTimeout(poll, 500);
+</script></body></html>
+"""
+
+
+class StartingApp:
+    """The ASGI app on the port from the first second: answers for the studio until ``target`` is set.
+
+    ``target`` (the real app) gets every request once set; 503s it sends then carry ``Retry-After`` too
+    (the API answers 503 ``engine_not_ready`` while an engine is being rebuilt).
+    """
+
+    def __init__(self, model: str, page: bool) -> None:
+        self.model = model
+        self.page = page  # serve the loading page on "/" (the UI), else JSON only (the API)
+        self.target: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":  # the real app is started by whoever builds it
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        target = self.target
+        if target is not None:
+            await target(scope, receive, _retry_after_on_503(send))
+            return
+        if scope["type"] != "http":
+            await send({"type": "websocket.close", "code": 1013})  # "try again later"
+            return
+        path = scope.get("path", "/")
+        if path == "/" and self.page:
+            body = LOADING_PAGE.format(model=_html_escape(self.model)).encode()
+            await _respond(send, 200, body, "text/html; charset=utf-8", {"cache-control": "no-store"})
+        elif path == "/health":
+            await _respond(send, 503, json.dumps({"status": "starting"}).encode(), retry=True)
+        else:
+            error = {
+                "error": {
+                    "message": f"The engine is not ready (loading {self.model}); retry shortly",
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": "engine_not_ready",
+                }
+            }
+            await _respond(send, 503, json.dumps(error).encode(), retry=True)
+
+
+def _html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+async def _respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str = "application/json",
+    headers: dict[str, str] | None = None,
+    retry: bool = False,
+) -> None:
+    raw = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    if retry:
+        raw.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _retry_after_on_503(send: Send) -> Send:
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start" and message.get("status") == 503:
+            headers = list(message.get("headers") or [])
+            if not any(k.lower() == b"retry-after" for k, _ in headers):
+                headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return wrapped
+
+
+class RetryAfterOn503:
+    """ASGI middleware: every 503 tells the client when to retry (the API's ``engine_not_ready`` too)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, _retry_after_on_503(send) if scope["type"] == "http" else send)
+
+
+def listen(settings: StudioSettings) -> socket.socket:
+    """Bind the port now (a clear start-up error when it is taken), before anything slow loads."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(
+            f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}"
+        ) from exc
+    return sock
+
+
+def uvicorn_server(app: ASGIApp) -> uvicorn.Server:
     import uvicorn
 
-    from studio.api.app import ServingState, create_app
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, access_log=False
+    )
+    return uvicorn.Server(config)
 
-    options = serving_options(settings)
-    recorder = open_recorder(settings)
-    engine = start_engine(settings)
-    state = ServingState(engine, options, recorder=recorder, source="api")
-    app = create_app(state)
-    fingerprint = state.handlers.system_fingerprint if state.handlers else None
+
+class BackgroundServer:
+    """A uvicorn server on an already bound socket, in a thread (the UI's loading phase)."""
+
+    def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
+        self.server = uvicorn_server(app)
+        self.server.config.timeout_graceful_shutdown = 1
+        self.thread = threading.Thread(
+            target=lambda: asyncio.run(self.server.serve(sockets=[sock])), daemon=True, name="omni-starting"
+        )
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop answering and free the port (idle keep-alive connections are closed at once)."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def serve_api(settings: StudioSettings) -> int:
+    """``omni-studio serve``: the OpenAI-compatible API alone, on uvicorn (listening while it loads)."""
+    model = settings.model or _default_model()
+    sock = listen(settings)
+    front = StartingApp(model, page=False)
+    server = uvicorn_server(front)
     print(
-        f"Omni Studio API on http://{settings.host}:{settings.port}/v1 — model {state.served_model_name} "
-        f"({engine.config.family}), config {engine.config.hash8}, fingerprint {fingerprint or 'none'}",
+        f"Omni Studio API on http://{settings.host}:{settings.port}/v1 — loading model {model} …",
         file=sys.stderr,
         flush=True,
     )
+    loaded: dict[str, Any] = {}
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            api = import_api()
+            options = serving_options(settings)
+            recorder = loaded["recorder"] = open_recorder(settings)
+            state = api.ServingState(None, options, recorder=recorder, source="api")
+            front.target = api.create_app(state)  # 503 engine_not_ready (recorded as runs) until set_engine
+            engine = loaded["engine"] = start_engine(settings)
+            state.set_engine(engine)
+            fingerprint = state.handlers.system_fingerprint if state.handlers else None
+            print(
+                f"Omni Studio API ready on http://{settings.host}:{settings.port}/v1 — model "
+                f"{state.served_model_name} ({engine.config.family}), config {engine.config.hash8}, "
+                f"fingerprint {fingerprint or 'none'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        except BaseException as exc:  # the server stops and the main thread reports it
+            failure.append(exc)
+            server.should_exit = True
+
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    loader = threading.Thread(target=load, daemon=True, name="omni-load-engine")
+    loader.start()
     try:
-        uvicorn.run(
-            app, host=settings.host, port=settings.port, log_level="warning", timeout_graceful_shutdown=5
-        )
-    finally:
-        engine.close()
-        recorder.close()
+        server.run(sockets=[sock])
+    finally:  # interrupted while loading: the daemon loader thread ends with the process
+        if "engine" in loaded:
+            loaded["engine"].close()
+        if "recorder" in loaded:
+            loaded["recorder"].close()
+    if failure:
+        raise failure[0]
     return 0
 
 
-def launch_ui(settings: StudioSettings) -> int:
-    """``omni-studio ui``: the Gradio studio and the whole ``/v1`` API on one port."""
-    from studio.controller import generate_secret
+def _default_model() -> str:
+    from engine.tiny import DEFAULT_MODEL
 
+    return DEFAULT_MODEL
+
+
+def launch_ui(settings: StudioSettings) -> int:
+    """``omni-studio ui``: the Gradio studio and the whole ``/v1`` API on one port.
+
+    A loading page holds the port while the engine, Gradio and the UI load; then ``launch()`` takes it.
+    """
+    model = settings.model or _default_model()
+    sock = listen(settings)
+    front = StartingApp(model, page=True)
+    starting = BackgroundServer(front, sock)
+    print(
+        f"Omni Studio on http://{settings.host}:{settings.port} — loading model {model} …",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return _launch_ui(settings, starting.stop)
+    finally:
+        starting.stop()  # a no-op once launch() has the port; frees it when loading failed
+
+
+def _launch_ui(settings: StudioSettings, release_port: Callable[[], None]) -> int:
     # Settle the share login and API key before anything loads: a public link without a login would let
     # anyone use the machine, and the API is public through the same link.
-    options = serving_options(settings)
     auth = settings.auth
-    generated_key = False
+    generated_key: str | None = None
     if settings.share:
         if auth is None:
-            auth = ("omni", generate_secret())
-        if not options.api_key:
-            options = replace(options, api_key=generate_secret(18))
-            generated_key = True
+            auth = ("omni", secrets.token_urlsafe(12))
+        if not settings.api_key:
+            generated_key = secrets.token_urlsafe(18)
 
     # Gradio's import (seconds) overlaps torch/transformers/diffusers and the engine start on the main
     # thread: a large part of both is file I/O, which releases the GIL. It cuts the studio's cold start.
@@ -135,6 +403,10 @@ def launch_ui(settings: StudioSettings) -> int:
         target=lambda: __import__("studio.ui.app"), daemon=True, name="omni-preload-ui"
     )
     preload.start()
+    import_api()
+    options = serving_options(settings)
+    if generated_key:
+        options = replace(options, api_key=generated_key)
     engine = start_engine(settings)
     preload.join()
 
@@ -142,7 +414,7 @@ def launch_ui(settings: StudioSettings) -> int:
 
     from studio.api.app import ServingState
     from studio.controller import Studio
-    from studio.ui.app import CSS, attach_api, build_ui
+    from studio.ui.app import CSS, api_app_kwargs, attach_api, build_ui
 
     recorder = open_recorder(settings)
     serving = ServingState(engine, options, recorder=recorder, source="api")
@@ -156,7 +428,7 @@ def launch_ui(settings: StudioSettings) -> int:
         ar_backend=settings.ar_backend,
     )
     studio.share.requested = settings.share
-    studio.share.api_key_generated = generated_key
+    studio.share.api_key_generated = generated_key is not None
     if settings.share and auth is not None:
         studio.share.username, studio.share.password = auth
 
@@ -174,6 +446,11 @@ def launch_ui(settings: StudioSettings) -> int:
 
     demo = build_ui(studio)
     demo.queue(default_concurrency_limit=4, max_size=64)
+    served_name = serving.served_model_name
+    # /health says "starting" (and /v1 503s) until launch() has returned: the share link is settled, the
+    # login guarded and the addresses printed before anyone is told the studio is ready.
+    serving.set_engine(None)
+    release_port()  # the loading page steps aside; launch() binds the same port
     app, local_url, share_url = demo.launch(
         server_name=settings.host,
         server_port=settings.port,
@@ -186,15 +463,16 @@ def launch_ui(settings: StudioSettings) -> int:
         show_error=True,
         css=CSS,
         theme=gr.themes.Soft(),
+        app_kwargs=api_app_kwargs(serving),
     )
-    attach_api(app, serving)
+    attach_api(app, serving)  # the login guard (Gradio adds POST /login in launch())
     studio.base_url = local_url.rstrip("/") if local_url else f"http://{settings.host}:{settings.port}"
     studio.share.url = share_url
     if settings.share and not share_url:
         studio.share.message = "(could not create a share link: no internet access?)"
     lines = [
-        f"Omni Studio on {studio.base_url} — model {serving.served_model_name} ({engine.config.family}), "
-        f"config {engine.config.hash8}",
+        f"Omni Studio ready on {studio.base_url} — model {served_name} "
+        f"({engine.config.family}), config {engine.config.hash8}",
         f"  OpenAI-compatible API: {studio.base_url}/v1"
         + (f" and {share_url.rstrip('/')}/v1" if share_url else ""),
     ]
@@ -204,6 +482,7 @@ def launch_ui(settings: StudioSettings) -> int:
     if generated_key:
         lines.append(f"  API key (required on /v1 when shared): {options.api_key}")
     print("\n".join(lines), file=sys.stderr, flush=True)
+    serving.set_engine(engine)
     try:
         demo.block_thread()
     except KeyboardInterrupt:

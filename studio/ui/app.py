@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import gradio as gr
 
 from studio.api.app import ServingState, create_api_router
@@ -70,11 +72,21 @@ def build_ui(studio: Studio) -> gr.Blocks:
     return demo
 
 
+def api_app_kwargs(serving: ServingState) -> dict[str, Any]:
+    """``launch(app_kwargs=...)``: Gradio's app is built with the API routes first (ahead of its catch-all
+    routes), so ``/health`` and ``/v1`` answer from the server's first request on."""
+    from starlette.middleware import Middleware
+
+    from studio.launch import RetryAfterOn503
+
+    return {"routes": list(create_api_router(serving).routes), "middleware": [Middleware(RetryAfterOn503)]}
+
+
 def attach_api(app, serving: ServingState) -> None:
-    """Put the API routes in front of Gradio's own (its catch-all routes would answer first otherwise),
+    """Put the API routes in front of Gradio's own (unless :func:`api_app_kwargs` put them there already),
     and Gradio's ``POST /login`` behind the failed-login limiter the API keys share (README, "--share")."""
-    router = create_api_router(serving)
     routes = app.router.routes
-    for route in reversed(router.routes):
-        routes.insert(0, route)
+    if not any(getattr(route, "path", None) == "/health" for route in routes):
+        for route in reversed(create_api_router(serving).routes):
+            routes.insert(0, route)
     guard_gradio_login(app, limiter_for(serving))
