@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -211,6 +212,11 @@ class TransformersARStage(StageRunner):
     def fast_decoder(self) -> FastDecoder | None:
         """The family's lean decode step, or None to always use ``generate`` (the default)."""
         return None
+
+    def batch_key(self, job: StageJob) -> Hashable:
+        # The lean loop decodes any mix of requests together (each row alone in its float math); without
+        # it, jobs run one at a time anyway.
+        return "lean" if self.fast_decoder() is not None else id(job)
 
     def run(self, jobs: list[StageJob]) -> None:
         decoder = self.fast_decoder()
