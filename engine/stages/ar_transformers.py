@@ -316,7 +316,10 @@ class TransformersARStage(StageRunner):
         scores = row.logits
         assert scores is not None
         if row.processors:
-            scores = row.processors(row.sequence[None, : row.length], scores)
+            # torch annotates every tensor as Tensor; Long/FloatTensor are transformers' names.
+            scores = row.processors(
+                cast(torch.LongTensor, row.sequence[None, : row.length]), cast(torch.FloatTensor, scores)
+            )
         if row.sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
             token = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]
