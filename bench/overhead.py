@@ -1,9 +1,11 @@
 """Engine overhead: the two-stage engine's T2I time vs the one-shot diffusers call on the same tiny pipeline.
 
-Prints the median wall time of each and their ratio (target: <= 1.05). Both produce the same PNG bytes
-(checked), so the comparison is like for like.
+Prints the median wall time of each and their ratio, interleaved repeats, same PNG bytes checked:
+- tiny-glm-image (random weights) at each ``--sizes``: the engine's overhead (target: <= 1.05);
+- tiny-glm-shapes (trained, 128x128, its preset's steps and guidance, greedy AR): per image, the engine
+  with its lean AR decode vs the one-shot ``GlmImagePipeline`` (target: <= 0.5), with the range.
 
-    .venv/bin/python bench/overhead.py [--repeats 15] [--size 64] [--steps 4]
+    .venv/bin/python bench/overhead.py [--repeats 15] [--sizes 64 256] [--steps 4]
 """
 
 from __future__ import annotations
@@ -70,6 +72,49 @@ def main() -> None:
             direct_times.append(time.perf_counter() - t)
         e, d = statistics.median(engine_times) * 1000, statistics.median(direct_times) * 1000
         print(f"{size:>6} {e:>10.1f} {d:>12.1f} {e / d:>7.3f}  {same}")
+    engine.close()
+    shapes_ratio(args.repeats)
+
+
+def shapes_ratio(repeats: int) -> None:
+    """tiny-glm-shapes per image: engine (lean AR decode) vs one-shot GlmImagePipeline, same picture."""
+    from diffusers import GlmImagePipeline
+
+    from engine import GenerationParams, GenerationRequest, build_engine
+
+    engine = build_engine("tiny-glm-shapes", None, data_dir=tempfile.mkdtemp())
+    pipe = GlmImagePipeline.from_pretrained(engine.model.path)
+    pipe.set_progress_bar_config(disable=True)
+    dit = engine.config.stage(1).default_sampling_params
+    prompt = "a red circle on a blue background, top left"
+    # The one-shot pipeline samples (do_sample, temperature 1); so does the engine here, for the same bytes.
+    request = GenerationRequest(prompt, GenerationParams(seed=7, height=128, width=128, temperature=1.0))
+
+    def one_shot():
+        return pipe(
+            prompt,
+            height=128,
+            width=128,
+            num_inference_steps=int(dit["num_inference_steps"]),
+            guidance_scale=float(dit["guidance_scale"]),
+            generator=torch.Generator().manual_seed(7),
+        ).images[0]
+
+    same = png(engine.run(request).images[0]) == png(one_shot())
+    engine_times, direct_times = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        engine.run(request)
+        engine_times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        one_shot()
+        direct_times.append(time.perf_counter() - t)
+    ratios = sorted(e / d for e, d in zip(engine_times, direct_times, strict=True))
+    e, d = statistics.median(engine_times) * 1000, statistics.median(direct_times) * 1000
+    print(
+        f"\ntiny-glm-shapes 128x128 per image: engine {e:.0f} ms, one-shot {d:.0f} ms, ratio {e / d:.3f} "
+        f"(paired ratios {ratios[0]:.3f}-{ratios[-1]:.3f}; target <= 0.5); same bytes: {same}"
+    )
     engine.close()
 
 

@@ -223,12 +223,11 @@ def settings_from_args(args: argparse.Namespace) -> StudioSettings:
         limits=limits_from_args(args),
     )
     if args.command in SERVING_COMMANDS:  # refused before anything loads; a run serves no fingerprint
-        from studio.launch import import_api_module
+        from studio.api.fingerprint import FingerprintError, FingerprintSettings  # light: no torch
 
-        fp = import_api_module("fingerprint")  # not the whole API package: that imports torch (seconds)
         try:
-            fingerprint = fp.FingerprintSettings(args.fingerprint_mode, args.fingerprint_value)
-        except fp.FingerprintError as exc:
+            fingerprint = FingerprintSettings(args.fingerprint_mode, args.fingerprint_value)
+        except FingerprintError as exc:
             raise UserError(str(exc)) from exc
         settings = replace(settings, fingerprint=fingerprint)
     return settings

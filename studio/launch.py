@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import types
+from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import replace
 from pathlib import Path
@@ -121,34 +122,9 @@ def serving_options(settings: StudioSettings) -> ServingOptions:
     )
 
 
-def import_api_module(name: str) -> types.ModuleType:
-    """``studio.api.<name>`` without running ``studio/api/__init__.py`` first when that is not loaded yet.
-
-    The package's ``__init__`` imports the whole API and, through the engine, torch (seconds); the CLI
-    only needs the fingerprint settings to check the flags before anything loads. The real package is
-    imported later, finds the module in ``sys.modules`` and :func:`import_api` re-attaches it.
-    """
-    full = f"studio.api.{name}"
-    if "studio.api" in sys.modules or full in sys.modules:
-        return importlib.import_module(full)
-    stub = types.ModuleType("studio.api")
-    stub.__path__ = [str(Path(__file__).resolve().parent / "api")]
-    sys.modules["studio.api"] = stub
-    try:
-        return importlib.import_module(full)
-    finally:
-        if sys.modules.get("studio.api") is stub:
-            del sys.modules["studio.api"]
-
-
 def import_api() -> types.ModuleType:
-    """``studio.api.app`` (torch and the engine with it), with every submodule an attribute of the package."""
-    app = importlib.import_module("studio.api.app")
-    package = sys.modules["studio.api"]
-    for full, module in list(sys.modules.items()):
-        if full.startswith("studio.api.") and full.count(".") == 2 and module is not None:
-            setattr(package, full.rsplit(".", 1)[1], module)
-    return app
+    """``studio.api.app``: the serving modules, and through them the engine and torch (seconds)."""
+    return importlib.import_module("studio.api.app")
 
 
 # -- listening before loading -----------------------------------------------------------------------
@@ -179,6 +155,10 @@ setTimeout(poll, 500);
 """
 
 
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits")
+REFUSED_KEPT = 10_000  # refused requests remembered while loading (a bound, not a quota)
+
+
 class StartingApp:
     """The ASGI app on the port from the first second: answers for the studio until ``target`` is set.
 
@@ -186,10 +166,42 @@ class StartingApp:
     (the API answers 503 ``engine_not_ready`` while an engine is being rebuilt).
     """
 
-    def __init__(self, model: str, page: bool) -> None:
+    def __init__(self, model: str, page: bool, api_key: str | None = None, record: bool = True) -> None:
         self.model = model
         self.page = page  # serve the loading page on "/" (the UI), else JSON only (the API)
         self.target: ASGIApp | None = None
+        # Generation requests refused while loading, recorded as runs once the store is open (nothing a
+        # client sends is lost). Unauthenticated ones are not: that would let anyone fill the history.
+        self.api_key = api_key
+        self.record = record
+        self.refused: deque[tuple[str, str]] = deque(maxlen=REFUSED_KEPT)
+
+    def _counts(self, scope: Scope) -> bool:
+        if not self.record or scope.get("method") != "POST" or scope.get("path") not in GENERATION_PATHS:
+            return False
+        if self.api_key is None:
+            return True
+        from studio.api.auth import secrets_equal
+
+        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and secrets_equal(token.strip(), self.api_key)
+
+    def record_refused(self, recorder: RunRecorder | None, model_name: str) -> int:
+        """Record the generation requests refused so far as failed runs; returns how many."""
+        count = 0
+        while self.refused and recorder is not None:
+            path, excerpt = self.refused.popleft()
+            recorder.record_rejected(
+                "api",
+                {"path": path, "raw_body": excerpt},
+                f"503 service_unavailable: the engine was still loading ({model_name}); engine_not_ready",
+                model_name,
+                None,
+                None,
+            )
+            count += 1
+        return count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":  # the real app is started by whoever builds it
@@ -214,6 +226,8 @@ class StartingApp:
         elif path == "/health":
             await _respond(send, 503, json.dumps({"status": "starting"}).encode(), retry=True)
         else:
+            if self._counts(scope):
+                self.refused.append((path, await _body_excerpt(receive)))
             error = {
                 "error": {
                     "message": f"The engine is not ready (loading {self.model}); retry shortly",
@@ -223,6 +237,20 @@ class StartingApp:
                 }
             }
             await _respond(send, 503, json.dumps(error).encode(), retry=True)
+
+
+async def _body_excerpt(receive: Receive, keep: int = 2000) -> str:
+    """The start of a request body (the rest is read and dropped)."""
+    kept = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        if len(kept) < keep:
+            kept += message.get("body", b"")[: keep - len(kept)]
+        if not message.get("more_body"):
+            break
+    return kept.decode(errors="replace")
 
 
 def _html_escape(text: str) -> str:
@@ -314,7 +342,7 @@ def serve_api(settings: StudioSettings) -> int:
     """``omni-studio serve``: the OpenAI-compatible API alone, on uvicorn (listening while it loads)."""
     model = settings.model or _default_model()
     sock = listen(settings)
-    front = StartingApp(model, page=False)
+    front = StartingApp(model, page=False, api_key=settings.api_key)
     server = uvicorn_server(front)
     print(
         f"Omni Studio API on http://{settings.host}:{settings.port}/v1 — loading model {model} …",
@@ -331,8 +359,10 @@ def serve_api(settings: StudioSettings) -> int:
             recorder = loaded["recorder"] = open_recorder(settings)
             state = api.ServingState(None, options, recorder=recorder, source="api")
             front.target = api.create_app(state)  # 503 engine_not_ready (recorded as runs) until set_engine
+            front.record_refused(recorder, state.served_model_name)
             engine = loaded["engine"] = start_engine(settings)
             state.set_engine(engine)
+            front.record_refused(recorder, state.served_model_name)  # any that raced the hand-over
             fingerprint = state.handlers.system_fingerprint if state.handlers else None
             print(
                 f"Omni Studio API ready on http://{settings.host}:{settings.port}/v1 — model "
@@ -373,7 +403,10 @@ def launch_ui(settings: StudioSettings) -> int:
     """
     model = settings.model or _default_model()
     sock = listen(settings)
-    front = StartingApp(model, page=True)
+    # With --share and no --api-key the key is generated later: nobody can send it while loading.
+    front = StartingApp(
+        model, page=True, api_key=settings.api_key, record=not settings.share or bool(settings.api_key)
+    )
     starting = BackgroundServer(front, sock)
     print(
         f"Omni Studio on http://{settings.host}:{settings.port} — loading model {model} …",
@@ -381,12 +414,12 @@ def launch_ui(settings: StudioSettings) -> int:
         flush=True,
     )
     try:
-        return _launch_ui(settings, starting.stop)
+        return _launch_ui(settings, starting.stop, front)
     finally:
         starting.stop()  # a no-op once launch() has the port; frees it when loading failed
 
 
-def _launch_ui(settings: StudioSettings, release_port: Callable[[], None]) -> int:
+def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front: StartingApp) -> int:
     # Settle the share login and API key before anything loads: a public link without a login would let
     # anyone use the machine, and the API is public through the same link.
     auth = settings.auth
@@ -451,6 +484,7 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None]) -> in
     # login guarded and the addresses printed before anyone is told the studio is ready.
     serving.set_engine(None)
     release_port()  # the loading page steps aside; launch() binds the same port
+    front.record_refused(recorder, serving.served_model_name)
     app, local_url, share_url = demo.launch(
         server_name=settings.host,
         server_port=settings.port,

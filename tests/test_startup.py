@@ -108,6 +108,24 @@ def assert_not_ready(server: Starting) -> None:
         assert error["message"]
 
 
+def refused_while_loading_are_recorded(data_dir: Path, expected: int) -> None:
+    """Every generation request refused while loading is a failed run once the store is open."""
+    from studio.store import RunFilter, open_store
+
+    deadline = time.monotonic() + 30
+    while True:
+        store = open_store(None, data_dir)
+        try:
+            runs = store.list_runs(RunFilter(status="failed"), limit=50)
+        finally:
+            store.close()
+        refused = [r for r in runs if "engine_not_ready" in (r.error or "")]
+        if len(refused) >= expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(refused) == expected, [r.error for r in runs]
+
+
 def test_serve_answers_while_the_engine_loads_then_serves(tmp_path):
     with starting(["serve"], tmp_path) as server:
         health, after_s = server.first_answer("/health")
@@ -115,6 +133,7 @@ def test_serve_answers_while_the_engine_loads_then_serves(tmp_path):
         assert after_s < 15, f"/health first answered {after_s:.1f} s after the start"
         assert_not_ready(server)
         server.wait_ready()
+        refused_while_loading_are_recorded(tmp_path, 1)
         assert httpx.get(server.url + "/health", timeout=5).json()["status"] == "ok"
         response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
         assert response.status_code == 200, response.text
@@ -133,6 +152,7 @@ def test_ui_shows_the_loading_state_then_works(tmp_path):
         assert "/health" in page.text  # it polls and reloads itself when the studio is ready
         assert_not_ready(server)
         server.wait_ready()
+        refused_while_loading_are_recorded(tmp_path, 1)
         page = httpx.get(server.url + "/", timeout=10)
         assert page.status_code == 200 and "loading model" not in page.text
         info = Client(server.url + "/", verbose=False).predict(api_name="/system_info")
