@@ -96,7 +96,8 @@ class DiffusersStage(StageRunner):
                     )
                 )
             if all(job.cancelled for job in jobs):
-                pipe._interrupt = True  # diffusers skips the remaining steps
+                # Out of the pipeline at once: no remaining steps and no VAE decode (seconds at real sizes).
+                raise StageCancelled()
             return {}
 
         return on_step_end
