@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import queue
 import threading
 import time
@@ -46,13 +48,15 @@ from engine.events import (
     StageStatus,
 )
 from engine.modality import OutputAccumulator, OutputModality, parse_output_modalities
-from engine.models import ModelSource, describe_model, materialize
+from engine.models import ModelCard, ModelSource, describe_model, materialize, model_card
 from engine.paths import default_data_dir, model_cache_dir
 from engine.processors import INPUT_PROCESSORS
 from engine.request import GenerationRequest, RequestError, ResolvedRequest
 from engine.stages.base import StageCancelled, StageJob, StageRunner
 
 EventSink = Callable[[EngineEvent], None]
+
+log = logging.getLogger("omni_studio.engine")
 
 
 class EngineBuildError(RuntimeError):
@@ -390,8 +394,22 @@ class OmniEngine:
         return self.config.config_hash()
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        """Check a request and decide its parameters (raises :class:`engine.request.RequestError`)."""
-        return self.family.resolve_request(request, self.config)
+        """Check a request and decide its parameters (raises :class:`engine.request.RequestError`).
+
+        Parameters outside what the model's card supports do not fail: they become ``warnings``.
+        """
+        resolved = self.family.resolve_request(request, self.config)
+        warnings = self.card.check(self.config.model_name, resolved.parameters)
+        return replace(resolved, warnings=warnings) if warnings else resolved
+
+    @functools.cached_property
+    def card(self) -> ModelCard:
+        """What the model supports (sizes, steps, an example prompt); empty when it declares nothing."""
+        try:
+            return model_card(self.model)
+        except ValueError as exc:  # a broken card must not stop serving: log it and declare nothing
+            log.warning("ignoring the model card: %s", exc)
+            return ModelCard()
 
     @property
     def in_flight(self) -> int:

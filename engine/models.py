@@ -6,7 +6,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.paths import DEPLOY_PRESETS_DIR
+import yaml
+
+from engine.paths import DEPLOY_PRESETS_DIR, MODEL_RECIPES_DIR
 from engine.pipelines import PipelineFamily, detect_family, get_family
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL, ensure_builtin_model
 
@@ -62,3 +64,84 @@ def materialize(source: ModelSource, cache_dir: Path) -> ModelSource:
         return source
     path = ensure_builtin_model(source.name, cache_dir)
     return ModelSource(source.name, path, source.family, source.identity, True)
+
+
+# -- what a model supports ------------------------------------------------------------------------
+
+CARD_FILE = (
+    "omni-studio.card.yaml"  # in a local model folder; built-in models: assets/models/<name>.card.yaml
+)
+CARD_KEYS = ("sizes", "num_inference_steps", "example_prompt")
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a model is for: the image sizes and step counts it supports (empty: anything the family
+    takes) and a prompt that shows it at its best. Outside them a request still runs, with a warning."""
+
+    sizes: tuple[tuple[int, int], ...] = ()  # (width, height)
+    num_inference_steps: tuple[int, ...] = ()
+    example_prompt: str | None = None
+    source: Path | None = None  # the file it came from
+
+    @staticmethod
+    def parse(data: object, source: Path | None = None) -> ModelCard:
+        where = str(source) if source is not None else "model card"
+        if data is None:
+            return ModelCard(source=source)
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: must be a mapping with {', '.join(CARD_KEYS)}")
+        unknown = sorted(set(data) - set(CARD_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(CARD_KEYS)}")
+        sizes = []
+        for size in data.get("sizes") or ():
+            width, sep, height = str(size).partition("x")
+            if not sep or not width.isdigit() or not height.isdigit():
+                raise ValueError(f"{where}: sizes take WIDTHxHEIGHT (e.g. 128x128), got {size!r}")
+            sizes.append((int(width), int(height)))
+        steps = data.get("num_inference_steps") or ()
+        if not all(isinstance(s, int) and s > 0 for s in steps):
+            raise ValueError(f"{where}: num_inference_steps takes positive integers, got {steps!r}")
+        prompt = data.get("example_prompt")
+        return ModelCard(tuple(sizes), tuple(steps), str(prompt) if prompt else None, source)
+
+    def describe(self) -> str:
+        """One line: what the model supports ('' when it declares nothing)."""
+        parts = []
+        if self.sizes:
+            parts.append("size " + " or ".join(f"{w}x{h}" for w, h in self.sizes))
+        if self.num_inference_steps:
+            steps = " or ".join(str(s) for s in self.num_inference_steps)
+            parts.append(f"{steps} step{'s' if self.num_inference_steps != (1,) else ''}")
+        return ", ".join(parts)
+
+    def check(self, model_name: str, parameters: dict[str, object]) -> tuple[str, ...]:
+        """Warnings for resolved ``parameters`` outside what the model supports (empty: all supported)."""
+        asked = []
+        width, height = parameters.get("width"), parameters.get("height")
+        if self.sizes and width is not None and height is not None and (width, height) not in self.sizes:
+            asked.append(f"{width}x{height}")
+        steps = parameters.get("num_inference_steps")
+        if self.num_inference_steps and steps is not None and steps not in self.num_inference_steps:
+            asked.append(f"{steps} step{'s' if steps != 1 else ''}")
+        if not asked:
+            return ()
+        return (
+            f"{model_name} supports {self.describe()}; this request asks for {' and '.join(asked)}, "
+            "so the result may not show what the prompt asks",
+        )
+
+
+def card_path(source: ModelSource) -> Path | None:
+    if source.builtin:
+        return MODEL_RECIPES_DIR / f"{source.name}.card.yaml"
+    return source.path / CARD_FILE if source.path is not None else None
+
+
+def model_card(source: ModelSource) -> ModelCard:
+    """The model's card (an empty card when it has none). Not part of the config hash: it changes no output."""
+    path = card_path(source)
+    if path is None or not path.is_file():
+        return ModelCard()
+    return ModelCard.parse(yaml.safe_load(path.read_text()), path)

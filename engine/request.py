@@ -82,6 +82,9 @@ class ResolvedRequest:
     parameters: dict[str, Any]
     stage_params: dict[int, dict[str, Any]]
     modalities: tuple[OutputModality, ...]
+    # Notes about a request that runs but is outside what the model supports (e.g. a size it was not
+    # trained at): the CLI prints them, the UI shows them, the API returns them in ``warnings``.
+    warnings: tuple[str, ...] = ()
 
     @property
     def request_id(self) -> str:

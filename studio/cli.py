@@ -24,140 +24,253 @@ AR_BACKENDS = ("auto", "vllm", "transformers")
 SERVING_COMMANDS = ("ui", "serve")  # the commands that serve, and so check the fingerprint flags
 
 
-def _shared_options(defaults: bool = True) -> argparse.ArgumentParser:
-    """The flags every command takes. Subcommands get them with ``defaults=False`` (SUPPRESS), so a flag
-    given before the subcommand (``omni-studio --db X history ls``) is not overwritten by its default."""
+# Limits a one-off run checks (the others bound what HTTP clients send).
+RUN_LIMITS = ("max_prompt_chars", "max_n", "max_steps", "max_image_side")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples in a command's epilog as written."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32, width=110)
+
+
+def _options(groups: tuple[str, ...], defaults: bool, limits: tuple[str, ...] | None = None):
+    """A parent parser with the flag groups a command uses: ``model``, ``serving``, ``limits``, ``storage``.
+
+    Subcommands get them with ``defaults=False`` (SUPPRESS), so a flag given before the subcommand
+    (``omni-studio --db X history ls``) is not overwritten by its default; the top-level parser, which
+    takes every flag, supplies the defaults.
+    """
     shared = argparse.ArgumentParser(add_help=False)
 
     def _d(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
-    g = shared.add_argument_group("model and pipeline")
-    g.add_argument(
-        "--model",
-        default=_d(None),
-        help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {DEFAULT_MODEL}) or a local HF-format folder",
-    )
-    g.add_argument(
-        "--deploy-config", default=_d(None), metavar="YAML", help="deploy config (stage settings) to apply"
-    )
-    g.add_argument(
-        "--ar-backend",
-        choices=AR_BACKENDS,
-        default=_d(None),
-        help="backend of every AR stage (default: each stage's `backend`, else auto)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        default=_d(None),
-        help="model name the API answers to (default: the model's name)",
-    )
-    s = shared.add_argument_group("serving")
-    s.add_argument("--host", default=_d("127.0.0.1"))
-    s.add_argument("--port", type=int, default=_d(7860))
-    s.add_argument(
-        "--share",
-        action="store_true",
-        default=_d(False),
-        help="create a public Gradio share link (UI and API)",
-    )
-    s.add_argument("--auth", default=_d(None), metavar="USER:PASS", help="protect the UI with a login")
-    s.add_argument("--api-key", default=_d(None), help="require `Authorization: Bearer KEY` on /v1/*")
-    s.add_argument(
-        "--fingerprint-mode",
-        choices=FINGERPRINT_MODES,
-        default=_d("full"),
-        help="system_fingerprint in responses: full, hash, custom (needs --fingerprint-value) or none",
-    )
-    s.add_argument(
-        "--fingerprint-value", default=_d(None), help="the literal fingerprint for --fingerprint-mode custom"
-    )
-    limits = shared.add_argument_group(
-        "limits on requests (over a limit: 400/413 naming the field and the limit)"
-    )
-    for name, default, help_text in InputLimits.options():
-        limits.add_argument(
-            InputLimits.flag(name),
-            type=int,
-            default=_d(default),
-            metavar="N",
-            help=f"{help_text} (default {default})",
+    if "model" in groups or "model-name" in groups:
+        g = shared.add_argument_group("model and pipeline")
+        g.add_argument(
+            "--model",
+            default=_d(None),
+            metavar="NAME|PATH",
+            help=f"built-in model ({', '.join(BUILTIN_MODELS)}; default {DEFAULT_MODEL}) or a local HF-format folder",
         )
-    d = shared.add_argument_group("storage")
-    d.add_argument(
-        "--db",
-        default=_d(None),
-        metavar="URL",
-        help="SQLAlchemy URL of the run store (default: SQLite in the data dir)",
-    )
-    d.add_argument(
-        "--data-dir", default=_d(None), type=Path, help="where runs, outputs and built models live"
-    )
+        if "model" in groups:
+            g.add_argument(
+                "--deploy-config",
+                default=_d(None),
+                metavar="YAML",
+                help="deploy config (stage settings; default: the model's preset)",
+            )
+        g.add_argument(
+            "--ar-backend",
+            choices=AR_BACKENDS,
+            default=_d(None),
+            help="backend of every AR stage (default: each stage's `backend`, else auto)",
+        )
+    if "serving" in groups:
+        s = shared.add_argument_group("serving")
+        s.add_argument(
+            "--served-model-name",
+            default=_d(None),
+            metavar="NAME",
+            help="model name the API answers to (default: the model's name)",
+        )
+        s.add_argument("--host", default=_d("127.0.0.1"), help="address to listen on (default 127.0.0.1)")
+        s.add_argument("--port", type=int, default=_d(7860), help="port to listen on (default 7860)")
+        s.add_argument(
+            "--share",
+            action="store_true",
+            default=_d(False),
+            help="create a public Gradio share link (UI and API)",
+        )
+        s.add_argument("--auth", default=_d(None), metavar="USER:PASS", help="protect the UI with a login")
+        s.add_argument(
+            "--api-key", default=_d(None), metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*"
+        )
+        s.add_argument(
+            "--fingerprint-mode",
+            choices=FINGERPRINT_MODES,
+            default=_d("full"),
+            help="system_fingerprint in responses: full, hash, custom (needs --fingerprint-value) or none",
+        )
+        s.add_argument(
+            "--fingerprint-value",
+            default=_d(None),
+            metavar="VALUE",
+            help="the literal fingerprint for --fingerprint-mode custom",
+        )
+    if "limits" in groups:
+        title = "limits on requests (over a limit: 400/413 naming the field and the limit)"
+        if limits is not None:
+            title = "limits on this run's inputs"
+        group = shared.add_argument_group(title)
+        for name, default, help_text in InputLimits.options():
+            if limits is not None and name not in limits:
+                continue
+            group.add_argument(
+                InputLimits.flag(name),
+                type=int,
+                default=_d(default),
+                metavar="N",
+                help=f"{help_text} (default {default})",
+            )
+    if "storage" in groups:
+        d = shared.add_argument_group("storage")
+        d.add_argument(
+            "--db",
+            default=_d(None),
+            metavar="URL",
+            help="SQLAlchemy URL of the run store (default: SQLite in the data dir)",
+        )
+        d.add_argument(
+            "--data-dir",
+            default=_d(None),
+            type=Path,
+            metavar="DIR",
+            help="where runs, outputs and built models live (default ~/.local/share/omni-studio)",
+        )
     return shared
 
 
+ALL_GROUPS = ("model", "serving", "limits", "storage")
+SERVING_GROUPS = ALL_GROUPS  # ui and serve
+RUN_GROUPS = ("model", "limits", "storage")
+VALIDATE_GROUPS = ("model-name",)  # --model and --ar-backend: the file is the deploy config
+HISTORY_GROUPS = ("storage",)
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    shared = _shared_options(defaults=False)
     parser = argparse.ArgumentParser(
         prog="omni-studio",
         description="Omni Studio: a web studio, OpenAI-compatible API and run history over a multi-stage "
-        "(AR -> diffusion) engine.",
-        parents=[_shared_options(defaults=True)],
+        "(AR -> diffusion) engine. With no command: `ui`.",
+        parents=[_options(ALL_GROUPS, defaults=True)],
+        formatter_class=_HelpFormatter,
+        epilog=_examples(
+            "omni-studio --model tiny-glm-shapes        # the studio on http://127.0.0.1:7860",
+            "omni-studio COMMAND --help                 # the flags of one command",
+        ),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    sub.add_parser("ui", parents=[shared], help="the studio: UI and API on one port (the default command)")
-    serve = sub.add_parser("serve", parents=[shared], help="the OpenAI-compatible API only")
+    def command(name: str, groups: tuple[str, ...], help_text: str, examples: tuple[str, ...], **kw: Any):
+        return sub.add_parser(
+            name,
+            parents=[_options(groups, defaults=False, **kw)],
+            help=help_text,
+            description=help_text[0].upper() + help_text[1:] + ".",
+            formatter_class=_HelpFormatter,
+            epilog=_examples(*examples),
+        )
+
+    command(
+        "ui",
+        SERVING_GROUPS,
+        "the studio: UI and API on one port (the default command)",
+        ("omni-studio ui --model tiny-glm-shapes --port 7860", "omni-studio ui --share --api-key KEY"),
+    )
+    serve = command(
+        "serve",
+        SERVING_GROUPS,
+        "the OpenAI-compatible API only",
+        ("omni-studio serve tiny-glm-shapes --port 8000 --api-key KEY",),
+    )
     serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
 
-    run = sub.add_parser("run", parents=[shared], help="one run from the terminal, with progress bars")
-    run.add_argument("prompt")
-    run.add_argument(
+    run = command(
+        "run",
+        RUN_GROUPS,
+        "one run from the terminal, with a progress bar per stage (recorded in history)",
+        (
+            'omni-studio run "a red circle on a blue background, top left" --model tiny-glm-shapes --out x.png',
+            'omni-studio run "make it blue" --image x.png --out blue.png --model tiny-glm-shapes',
+            'omni-studio run "hello" --model tiny-chat',
+        ),
+        limits=RUN_LIMITS,
+    )
+    run.add_argument("prompt", help="what to generate")
+    r = run.add_argument_group("this run (omitted values: the model's defaults)")
+    r.add_argument(
         "--image", default=None, metavar="SRC", help="source image (a file or a data: URL) for image-to-image"
     )
-    run.add_argument(
+    r.add_argument(
         "--out",
         default=None,
         metavar="FILE",
-        help="where to write the result (PNG for images, text for chat)",
+        help="where to write the result (PNG for images, required; text for chat)",
     )
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--height", type=int, default=None)
-    run.add_argument("--width", type=int, default=None)
-    run.add_argument("--steps", type=int, default=None, help="denoising steps")
-    run.add_argument("--guidance", type=float, default=None, help="guidance scale")
-    run.add_argument("--negative-prompt", default=None)
-    run.add_argument("--max-tokens", type=int, default=None)
-    run.add_argument("--temperature", type=float, default=None)
-    run.add_argument("--n", type=int, default=1, help="number of outputs (seeds seed, seed+1, ...)")
-    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument("--seed", type=int, default=None, metavar="N", help="random seed (default: a fresh one)")
+    r.add_argument("--height", type=int, default=None, metavar="H", help="image height in pixels")
+    r.add_argument("--width", type=int, default=None, metavar="W", help="image width in pixels")
+    r.add_argument("--steps", type=int, default=None, metavar="N", help="denoising steps")
+    r.add_argument("--guidance", type=float, default=None, metavar="G", help="guidance scale")
+    r.add_argument("--negative-prompt", default=None, metavar="TEXT", help="what the image should not show")
+    r.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="tokens to generate (text models)"
+    )
+    r.add_argument("--temperature", type=float, default=None, metavar="T", help="sampling temperature (AR)")
+    r.add_argument(
+        "--n", type=int, default=1, metavar="N", help="number of outputs (seeds seed, seed+1, ...)"
+    )
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    validate = sub.add_parser("validate", parents=[shared], help="validate a deploy config")
-    validate.add_argument("file", metavar="DEPLOY.yaml")
+    validate = command(
+        "validate",
+        VALIDATE_GROUPS,
+        "validate a deploy config against a model (exit 0, or 1 with every problem by stage)",
+        (
+            "omni-studio validate assets/deploy/glm-image-1gpu.yaml",
+            "omni-studio validate my.yaml --model tiny-chat --check-devices",
+        ),
+    )
+    validate.add_argument("file", metavar="DEPLOY.yaml", help="the deploy config to check")
     validate.add_argument(
         "--check-devices",
         action="store_true",
         help="also check that the GPUs named in `devices` exist on this machine",
     )
 
-    history = sub.add_parser("history", parents=[shared], help="list, show, export and import recorded runs")
+    history = command(
+        "history",
+        HISTORY_GROUPS,
+        "list, show, export and import recorded runs",
+        ("omni-studio history ls --status failed", "omni-studio history show 3f2a --json"),
+    )
     hsub = history.add_subparsers(dest="history_command", metavar="ACTION", required=True)
-    ls = hsub.add_parser("ls", parents=[shared], help="list runs, newest first")
-    ls.add_argument("--json", action="store_true")
-    ls.add_argument("--limit", type=int, default=50)
-    ls.add_argument("--status", default=None)
-    ls.add_argument("--search", default=None, help="text in the prompt")
-    show = hsub.add_parser("show", parents=[shared], help="one run in full")
-    show.add_argument("run_id", metavar="ID")
-    show.add_argument("--json", action="store_true")
-    export = hsub.add_parser(
-        "export", parents=[shared], help="write runs, config snapshots and output files to a bundle"
+
+    def action(name: str, help_text: str, example: str):
+        return hsub.add_parser(
+            name,
+            parents=[_options(HISTORY_GROUPS, defaults=False)],
+            help=help_text,
+            description=help_text[0].upper() + help_text[1:] + ".",
+            formatter_class=_HelpFormatter,
+            epilog=_examples(example),
+        )
+
+    ls = action("ls", "list runs, newest first", "omni-studio history ls --search circle --limit 10")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ls.add_argument("--limit", type=int, default=50, metavar="N", help="at most N runs (default 50)")
+    ls.add_argument("--status", default=None, help="only runs with this status (e.g. failed)")
+    ls.add_argument("--search", default=None, metavar="TEXT", help="text in the prompt")
+    show = action("show", "one run in full", "omni-studio history show 3f2a")
+    show.add_argument("run_id", metavar="ID", help="a run id or a unique prefix of one")
+    show.add_argument("--json", action="store_true", help="print JSON instead of text")
+    export = action(
+        "export",
+        "write runs, config snapshots and output files to a bundle",
+        "omni-studio history export runs.zip",
     )
-    export.add_argument("file", metavar="FILE")
-    imp = hsub.add_parser(
-        "import", parents=[shared], help="import a bundle (runs already present are skipped)"
+    export.add_argument("file", metavar="FILE", help="the bundle to write")
+    imp = action(
+        "import", "import a bundle (runs already present are skipped)", "omni-studio history import runs.zip"
     )
-    imp.add_argument("file", metavar="FILE")
+    imp.add_argument("file", metavar="FILE", help="the bundle to read")
     return parser
 
 
@@ -277,6 +390,19 @@ RUN_REQUEST_FIELDS = (
 )
 
 
+def check_run_limits(parameters: dict[str, Any], limits: InputLimits) -> None:
+    """``n``, steps and image sides of a CLI run against ``--max-n``, ``--max-steps``, ``--max-image-side``."""
+    for key, limit, flag in (
+        ("n", limits.max_n, "--max-n"),
+        ("num_inference_steps", limits.max_steps, "--max-steps"),
+        ("height", limits.max_image_side, "--max-image-side"),
+        ("width", limits.max_image_side, "--max-image-side"),
+    ):
+        value = parameters.get(key)
+        if isinstance(value, int) and value > limit:
+            raise UserError(f"{key} is {value}; the limit is {limit} ({flag})")
+
+
 def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
     from engine import GenerationParams, GenerationRequest, RequestError
     from engine.events import RunFailed
@@ -309,6 +435,9 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
             resolved = runs.resolve(engine, request)
         except RequestError as exc:
             raise UserError(str(exc)) from exc
+        check_run_limits(resolved.parameters, settings.limits)
+        for warning in resolved.warnings:  # outside what the model supports: it runs, but say so
+            print(f"omni-studio run: warning: {warning}", file=sys.stderr)
         makes_images = OutputModality.IMAGE in resolved.modalities
         if makes_images and not args.out:
             raise UserError(f"--out FILE is required: {engine.config.model_name} makes images")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
+import json
 import logging
 import secrets
 import threading
@@ -21,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from engine import GenerationRequest, OmniEngine, ResolvedRequest
+from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.config import ConfigProblem, DeployConfigError, PipelineConfig, parse_deploy_yaml_text
 from engine.engine import EngineBuildError, build_engine, build_pipeline_config, device_problems
 from engine.events import EngineEvent
@@ -234,37 +235,48 @@ class Studio:
         base = (self.share.url or self.base_url).rstrip("/")
         return f"{base}/v1"
 
+    def snippet_parameters(self) -> dict[str, Any]:
+        """What a request that gives nothing runs with on this model and deploy config (size, steps)."""
+        keys = ("height", "width", "num_inference_steps") if self.config.family != "chat" else ("max_tokens",)
+        try:
+            resolved = self.engine.resolve(GenerationRequest(self.example_prompt()))
+        except RequestError:
+            return {}
+        return {k: resolved.parameters[k] for k in keys if resolved.parameters.get(k) is not None}
+
+    def example_prompt(self) -> str:
+        return self.engine.card.example_prompt or (
+            "Say hello in five words."
+            if self.config.family == "chat"
+            else "a red circle on a blue background"
+        )
+
+    def support_note(self, width: float | None, height: float | None, steps: float | None) -> str:
+        """Markdown for the Chat tab: what the model supports, and a warning when the inputs are outside it."""
+        card = self.engine.card
+        supported = card.describe()
+        if not supported:
+            return ""
+        values = {"width": width, "height": height, "num_inference_steps": steps}
+        parameters = {k: int(v) for k, v in values.items() if v is not None}
+        warnings = card.check(self.model.name, parameters)
+        if warnings:
+            return f"⚠️ **Outside what the model supports** — {warnings[0]}."
+        return f"{self.model.name} supports {supported}."
+
     def snippets(self) -> tuple[str, str]:
-        """Ready-to-paste curl and Python (openai SDK) calls against this server."""
-        url = self.endpoint_url()
-        model = self.serving.served_model_name
-        key = self.api_key or "unused"
-        family = self.config.family
-        extra = (
-            '"height": 64, "width": 64, "num_inference_steps": 4' if family != "chat" else '"max_tokens": 32'
+        """Ready-to-paste curl and Python (openai SDK) calls against this server, for the running model."""
+        parameters = self.snippet_parameters()
+        if self.config.family == "chat":
+            parameters = {"max_tokens": min(int(parameters.get("max_tokens", 32)), 32)}
+        return api_snippets(
+            self.endpoint_url(),
+            self.serving.served_model_name,
+            self.example_prompt(),
+            parameters,
+            makes_images=OutputModality.IMAGE in self.engine.family.final_modalities(self.config),
+            api_key_set=bool(self.api_key),
         )
-        curl = (
-            f"curl {url}/chat/completions \\\n"
-            f"  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
-            f'  -d \'{{"model": "{model}", "seed": 42,\n'
-            f'       "messages": [{{"role": "user", "content": "a red circle on a blue background"}}],\n'
-            f"       {extra}}}'"
-        )
-        python_extra = (
-            'extra_body={"height": 64, "width": 64, "num_inference_steps": 4}'
-            if family != "chat"
-            else "max_tokens=32"
-        )
-        python = (
-            "from openai import OpenAI\n\n"
-            f'client = OpenAI(base_url="{url}", api_key="{key}")\n'
-            "response = client.chat.completions.create(\n"
-            f'    model="{model}",\n'
-            '    messages=[{"role": "user", "content": "a red circle on a blue background"}],\n'
-            f"    seed=42,\n    {python_extra},\n)\n"
-            "print(response.choices[0].message.content)\n"
-        )
-        return curl, python
 
     # -- runs from the UI -----------------------------------------------------------------------
 
@@ -387,6 +399,68 @@ class Studio:
         self.engine.close()
         if self.recorder is not None:
             self.recorder.close()
+
+
+API_KEY_ENV = "OMNI_STUDIO_API_KEY"  # the snippets read the key from here instead of showing it
+
+
+def api_snippets(
+    url: str,
+    model: str,
+    prompt: str,
+    parameters: dict[str, Any],
+    *,
+    makes_images: bool,
+    api_key_set: bool,
+    out: str = "image.png",
+) -> tuple[str, str]:
+    """curl and Python (openai SDK) calls of ``POST {url}/chat/completions``.
+
+    ``parameters`` are the model's defaults (size and steps, or ``max_tokens``), spelled out so a reader
+    sees what to change; images are written to ``out``. With an API key set, both read it from
+    ``$OMNI_STUDIO_API_KEY`` (the key itself is never shown).
+    """
+    fields = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in parameters.items())
+    body = (
+        f'{{"model": {json.dumps(model)}, "seed": 42,\n'
+        f'       "messages": [{{"role": "user", "content": {json.dumps(prompt)}}}]'
+        + (f",\n       {fields}}}" if fields else "}")
+    )
+    body = body.replace("'", "'\\''")  # inside the shell's single quotes
+    auth = f'  -H "Authorization: Bearer ${API_KEY_ENV}" \\\n' if api_key_set else ""
+    curl = f"curl -s {url}/chat/completions \\\n{auth}  -H 'Content-Type: application/json' \\\n  -d '{body}'"
+    if makes_images:
+        curl += (
+            " \\\n  | python3 -c 'import base64, json, sys; "
+            'url = json.load(sys.stdin)["choices"][0]["message"]["content"][-1]["image_url"]["url"]; '
+            f'open("{out}", "wb").write(base64.b64decode(url.split(",", 1)[1]))\''
+        )
+    key = f'os.environ["{API_KEY_ENV}"]' if api_key_set else '"unused"'
+    imports = ["import base64"] if makes_images else []
+    if api_key_set:
+        imports.append("import os")
+    lines = [*imports, "", "from openai import OpenAI", ""] if imports else ["from openai import OpenAI", ""]
+    lines += [
+        f"client = OpenAI(base_url={json.dumps(url)}, api_key={key})",
+        "response = client.chat.completions.create(",
+        f"    model={json.dumps(model)},",
+        f'    messages=[{{"role": "user", "content": {json.dumps(prompt)}}}],',
+        "    seed=42,",
+    ]
+    if makes_images:
+        lines.append(f"    extra_body={{{fields}}},")
+    elif parameters:
+        lines += [f"    {k}={v!r}," for k, v in parameters.items()]
+    lines.append(")")
+    if makes_images:
+        lines += [
+            'url = response.choices[0].message.content[-1]["image_url"]["url"]  # data:image/png;base64,...',
+            f'with open("{out}", "wb") as f:',
+            '    f.write(base64.b64decode(url.split(",", 1)[1]))',
+        ]
+    else:
+        lines.append("print(response.choices[0].message.content)")
+    return curl, "\n".join(lines) + "\n"
 
 
 class ApplyFailed(RuntimeError):

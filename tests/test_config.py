@@ -228,7 +228,7 @@ def test_backend_key_is_validated():
     )
     data = seed()
     data["stages"][1]["backend"] = "vllm"
-    assert any("stage 1: backend: backend applies to ar stages only" in p for p in problems_of(data))
+    assert any("stage 1: backend: backend applies to AR stages only" in p for p in problems_of(data))
 
 
 def test_yaml_errors_and_non_mapping(tmp_path: Path):

@@ -232,6 +232,11 @@ class PipelineConfig:
         return max(s.engine_args.pipeline_parallel for s in self.stages)
 
 
+def a_stage(kind: str) -> str:
+    """``'an AR stage'``, ``'a diffusion stage'``: a stage kind as messages spell it."""
+    return {"ar": "an AR stage", "diffusion": "a diffusion stage"}.get(kind, f"a {kind} stage")
+
+
 def _merge_stage(
     template: StageTemplate | None, stage: StageConfig | None, problems: list[ConfigProblem]
 ) -> ResolvedStage | None:
@@ -297,14 +302,14 @@ def _merge_stage(
                 ConfigProblem(
                     sid,
                     key,
-                    f"a {kind} stage cannot produce {format_output_modalities(tuple(unsupported))}; "
+                    f"{a_stage(kind)} cannot produce {format_output_modalities(tuple(unsupported))}; "
                     f"allowed: {', '.join(m.value for m in producible)} (or a '+' combination)",
                 )
             )
     if backend != "auto" and kind != "ar":
         problems.append(
             ConfigProblem(
-                sid, "backend", f"backend applies to ar stages only; a {kind} stage always uses diffusers"
+                sid, "backend", f"backend applies to AR stages only; {a_stage(kind)} always runs on diffusers"
             )
         )
     if input_processor is not None and kind != "diffusion":

@@ -109,8 +109,9 @@ class PipelineFamily(ABC):
                 ]
                 raise RequestError(
                     unused[0],
-                    f"{config.model_name} ({self.name}) has no {kind} stage, so {', '.join(unused)} does not "
-                    f"apply; it takes {', '.join([*takes, 'seed', 'n'])}",
+                    f"{config.model_name} ({self.name}) has no {'AR' if kind == 'ar' else kind} stage, so "
+                    f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply; it takes "
+                    f"{', '.join([*takes, 'seed', 'n'])}",
                 )
 
     def prepare_source_image(self, image: Image.Image) -> Image.Image:

@@ -80,6 +80,17 @@ def client_id(raw_request: Request | None) -> str | None:
     return f"{client_address(raw_request.scope)}|{digest}"
 
 
+WARNING_HEADER = "X-Omni-Studio-Warning"  # a request outside what the model supports (README, "The API")
+
+
+def reply_headers(resolved: ResolvedRequest, tracker: RunTracking) -> dict[str, str]:
+    """Headers of a generation reply: the run id, and the model card's warnings when there are any."""
+    headers = {"X-Run-Id": tracker.run_id}
+    if resolved.warnings:
+        headers[WARNING_HEADER] = "; ".join(resolved.warnings)
+    return headers
+
+
 class OpenAIServing:
     """Base of the endpoint handlers."""
 

@@ -27,7 +27,14 @@ from engine.events import (
 from studio.api.errors import APIError
 from studio.api.inputs import chat_to_engine_request
 from studio.api.protocol import ChatCompletionRequest, completion_id, now
-from studio.api.serving_base import OpenAIServing, RunTracking, client_id, png_data_url, usage_of
+from studio.api.serving_base import (
+    OpenAIServing,
+    RunTracking,
+    client_id,
+    png_data_url,
+    reply_headers,
+    usage_of,
+)
 
 
 def message_content(output: RunOutput) -> str | list[dict[str, Any]]:
@@ -59,7 +66,11 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(
                 self.stream(resolved, tracker, include_usage, client_id(raw)),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Run-Id": tracker.run_id},
+                headers={
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                    **reply_headers(resolved, tracker),
+                },
             )
         result = await self.run_to_completion(resolved, tracker, raw)
         body: dict[str, Any] = {
@@ -79,7 +90,9 @@ class OpenAIServingChat(OpenAIServing):
         }
         if self.system_fingerprint is not None:
             body["system_fingerprint"] = self.system_fingerprint
-        return JSONResponse(body, headers={"X-Run-Id": tracker.run_id})
+        if resolved.warnings:
+            body["warnings"] = list(resolved.warnings)
+        return JSONResponse(body, headers=reply_headers(resolved, tracker))
 
     async def stream(
         self, resolved, tracker: RunTracking, include_usage: bool, client: str | None = None
@@ -106,7 +119,8 @@ class OpenAIServingChat(OpenAIServing):
             [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 for i in range(n)
-            ]
+            ],
+            **({"warnings": list(resolved.warnings)} if resolved.warnings else {}),
         )
         finished = False
         events = self.events(

@@ -17,7 +17,7 @@ from engine.modality import OutputModality
 from studio.api.errors import APIError
 from studio.api.inputs import check_generation_limits, check_text, params_from_fields, parse_size
 from studio.api.protocol import ImageGenerationRequest, now
-from studio.api.serving_base import OpenAIServing
+from studio.api.serving_base import OpenAIServing, reply_headers
 from studio.media import png_bytes
 
 
@@ -68,4 +68,6 @@ class OpenAIServingImages(OpenAIServing):
         body: dict[str, Any] = {"created": now(), "data": data, "output_format": "png"}
         if self.system_fingerprint is not None:
             body["system_fingerprint"] = self.system_fingerprint
-        return JSONResponse(body, headers={"X-Run-Id": tracker.run_id})
+        if resolved.warnings:
+            body["warnings"] = list(resolved.warnings)
+        return JSONResponse(body, headers=reply_headers(resolved, tracker))

@@ -179,6 +179,12 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                         label="Guidance",
                         elem_id="omni-guidance",
                     )
+                size_note = gr.Markdown(
+                    studio.support_note(
+                        defaults.get("width"), defaults.get("height"), defaults.get("num_inference_steps")
+                    ),
+                    elem_id="omni-size-note",
+                )
                 negative = gr.Textbox(label="Negative prompt", lines=1)
                 with gr.Row():
                     max_tokens = gr.Slider(1, 1024, value=64, step=1, label="Max tokens (text models)")
@@ -398,6 +404,13 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             gr.update(value=params.get("guidance_scale", 1.5)),
             gr.update(value=studio.model.name),
         )
+
+    def note(width_v: float, height_v: float, steps_v: float) -> str:
+        """What the model supports, with a visible warning when the size or steps are outside it."""
+        return studio.support_note(width_v, height_v, steps_v)
+
+    for slider in (width, height, steps):
+        slider.change(note, [width, height, steps], [size_note], api_visibility="private")
 
     defaults_outputs = [width, height, steps, guidance, model]
     switch_event = model.input(change_model, [model], [status], api_name="switch_model").then(

@@ -9,7 +9,7 @@ from typing import Any
 import gradio as gr
 
 from studio.api.fingerprint import FINGERPRINT_MODES, FingerprintError
-from studio.controller import Studio
+from studio.controller import API_KEY_ENV, Studio
 
 
 def fingerprint_line(studio: Studio) -> str:
@@ -41,6 +41,18 @@ def share_markdown(studio: Studio) -> str:
     return "\n\n".join(lines)
 
 
+def key_hint_markdown(studio: Studio) -> str:
+    """Where the snippets' API key comes from (they never show the key itself)."""
+    model = studio.serving.served_model_name
+    supported = studio.engine.card.describe()
+    about = f"For **{model}**" + (f" (supports {supported})" if supported else "") + ", with its defaults."
+    if studio.api_key:
+        return (
+            about + f" The snippets read the API key from `${API_KEY_ENV}`: `export {API_KEY_ENV}=…` first."
+        )
+    return about
+
+
 def build_serving_tab(studio: Studio) -> dict[str, Any]:
     current = studio.serving.options.fingerprint
     with gr.Row(equal_height=False):
@@ -69,6 +81,7 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
         with gr.Column():
             gr.Markdown("### Endpoint")
             share = gr.Markdown(share_markdown(studio), elem_id="omni-share")
+            key_hint = gr.Markdown(key_hint_markdown(studio), elem_id="omni-snippet-key")
             curl_snippet, python_snippet = studio.snippets()
             curl = gr.Code(curl_snippet, language="shell", label="curl", interactive=False)
             python = gr.Code(
@@ -95,12 +108,13 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
             ),
             curl_v,
             python_v,
+            key_hint_markdown(studio),
         )
 
-    set_key.click(on_key, [key], [key_status, curl, python], api_name="set_api_key")
+    set_key.click(on_key, [key], [key_status, curl, python, key_hint], api_name="set_api_key")
 
     def refresh():
         curl_v, python_v = studio.snippets()
-        return fingerprint_line(studio), share_markdown(studio), curl_v, python_v
+        return fingerprint_line(studio), share_markdown(studio), curl_v, python_v, key_hint_markdown(studio)
 
-    return {"refresh": refresh, "refresh_outputs": [fingerprint, share, curl, python]}
+    return {"refresh": refresh, "refresh_outputs": [fingerprint, share, curl, python, key_hint]}

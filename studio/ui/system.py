@@ -1,7 +1,9 @@
-"""The System tab: devices, memory, library versions, models and the running pipeline."""
+"""The System tab: devices, memory, library versions, models and the running pipeline, as cards and
+tables (``system_html``), with the same facts as raw JSON behind an accordion (``system_info``)."""
 
 from __future__ import annotations
 
+import html
 import os
 import platform
 from importlib import metadata
@@ -77,6 +79,7 @@ def system_info(studio: Studio) -> dict[str, Any]:
             "model": studio.model.name,
             "folder": str(studio.model.path),  # not "path": Gradio would treat the dict as a file
             "family": config.family,
+            "supports": studio.engine.card.describe() or None,
             "config_hash": config.config_hash(),
             "stages": [
                 {
@@ -85,6 +88,8 @@ def system_info(studio: Studio) -> dict[str, Any]:
                     "backend": getattr(studio.engine.runners[s.stage_id], "backend", s.backend),
                     "device": str(studio.engine.runners[s.stage_id].device),
                     "output": s.engine_output_type,
+                    "batch_size": s.engine_args.batch_size,
+                    "queue_depth": studio.engine.queue_depths().get(s.stage_id, 0),
                 }
                 for s in config.stages
             ],
@@ -98,8 +103,119 @@ def system_info(studio: Studio) -> dict[str, Any]:
     }
 
 
+def _table(headers: list[str], rows: list[list[object]], elem_id: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows
+    )
+    ident = f" id='{elem_id}'" if elem_id else ""
+    return f"<table class='omni-sys-table'{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _card(title: str, body: str) -> str:
+    return f"<div class='omni-sys-card'><h3>{html.escape(title)}</h3>{body}</div>"
+
+
+def _pairs(items: list[tuple[str, object]]) -> str:
+    rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in items if v is not None
+    )
+    return f"<table class='omni-sys-pairs'>{rows}</table>"
+
+
+STYLE = """<style>
+.omni-sys-grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(280px,1fr));gap:12px}
+.omni-sys-card{border:1px solid var(--border-color-primary);border-radius:8px;padding:10px 14px;
+  background:var(--block-background-fill)}
+.omni-sys-card h3{margin:0 0 6px 0;font-size:1.05em}
+.omni-sys-table,.omni-sys-pairs{width:100%;border-collapse:collapse;font-size:.92em}
+.omni-sys-table th,.omni-sys-table td,.omni-sys-pairs th,.omni-sys-pairs td{padding:2px 8px;text-align:left;
+  border-bottom:1px solid var(--border-color-primary)}
+.omni-sys-pairs th{font-weight:600;width:40%}
+.omni-sys-pairs td{word-break:break-all}
+.omni-sys-card{min-width:0;overflow:hidden}
+.omni-sys-wide{margin-top:12px}
+</style>"""
+
+
+def system_html(info: dict[str, Any]) -> str:
+    """The facts of :func:`system_info` as readable cards and tables."""
+    devices = info["devices"]
+    gpus = devices["gpus"] if isinstance(devices["gpus"], list) else []
+    device_body = _pairs(
+        [("CPU cores", devices["cpu_cores"]), ("torch threads", devices["torch_threads"])]
+    ) + (
+        _table(
+            ["GPU", "name", "memory total (GiB)", "memory free (GiB)"],
+            [[g["index"], g["name"], g["memory_total_gib"], g["memory_free_gib"]] for g in gpus],
+        )
+        if gpus
+        else "<p>No GPU: every stage runs on the CPU.</p>"
+    )
+    memory = info["memory"]
+    memory_body = _pairs(
+        [
+            ("RAM total (GiB)", memory.get("ram_total_gib")),
+            ("RAM available (GiB)", memory.get("ram_available_gib")),
+            ("this process, peak (GiB)", memory.get("process_peak_rss_gib")),
+        ]
+    )
+    versions_body = _pairs(list(info["versions"].items()))
+    running = info["running"]
+    model_body = _pairs(
+        [
+            ("model", running["model"]),
+            ("family", running["family"]),
+            ("supports", running.get("supports") or "any size and step count its family takes"),
+            ("folder", running["folder"]),
+            ("config hash", running["config_hash"][:16] + "…"),
+            ("requests in flight", running["requests_in_flight"]),
+            ("data dir", info["storage"]["data_dir"]),
+            ("run store", info["storage"]["run_store"]),
+        ]
+    )
+    stages = _table(
+        ["stage", "kind", "backend", "device", "batch size", "queue depth", "output"],
+        [
+            [
+                s["stage_id"],
+                s["kind"],
+                s["backend"],
+                s["device"],
+                s["batch_size"],
+                s["queue_depth"],
+                s["output"],
+            ]
+            for s in running["stages"]
+        ],
+        "omni-system-stages",
+    )
+    models = _table(["built-in model", "what"], [[k, v] for k, v in info["models"].items()])
+    return (
+        STYLE
+        + f"<div class='omni-sys-wide'>{_card('Running stages', stages)}</div>"
+        + "<div class='omni-sys-grid omni-sys-wide'>"
+        + _card("Running model", model_body)
+        + _card("Devices", device_body)
+        + _card("Memory", memory_body)
+        + _card("Libraries", versions_body)
+        + "</div>"
+        + f"<div class='omni-sys-wide'>{_card('Built-in models', models)}</div>"
+    )
+
+
 def build_system_tab(studio: Studio) -> dict[str, Any]:
-    info = gr.JSON(system_info(studio), label="System", elem_id="omni-system")
-    refresh = gr.Button("Refresh")
-    refresh.click(lambda: system_info(studio), None, [info], api_name="system_info")
-    return {"refresh": lambda: system_info(studio), "refresh_outputs": [info]}
+    first = system_info(studio)
+    cards = gr.HTML(system_html(first), elem_id="omni-system-cards")
+    refresh = gr.Button("Refresh", elem_id="omni-system-refresh")
+    with gr.Accordion("Raw JSON", open=False, elem_id="omni-system-raw"):
+        info = gr.JSON(first, label="System", elem_id="omni-system")
+
+    def both() -> tuple[str, dict[str, Any]]:
+        data = system_info(studio)
+        return system_html(data), data
+
+    refresh.click(lambda: system_info(studio), None, [info], api_name="system_info").then(
+        lambda data: system_html(data), [info], [cards], api_visibility="private"
+    )
+    return {"refresh": both, "refresh_outputs": [cards, info]}
