@@ -32,6 +32,7 @@ from engine.config import (
     ResolvedStage,
     parse_deploy_config,
     parse_deploy_file,
+    parse_deploy_yaml_text,
     resolve_pipeline_config,
 )
 from engine.events import (
@@ -126,6 +127,16 @@ def build_pipeline_config(
         deploy, problems = parse_deploy_file(deploy)
     elif deploy is not None and not isinstance(deploy, DeployConfig):
         deploy, problems = parse_deploy_config(deploy)
+    return _resolve_for(source, deploy, problems, label, ar_backend)
+
+
+def _resolve_for(
+    source: ModelSource,
+    deploy: DeployConfig | None,
+    problems: list[ConfigProblem],
+    label: str | None,
+    ar_backend: str | None,
+) -> PipelineConfig:
     config = resolve_pipeline_config(
         deploy,
         source.family.name,
@@ -138,6 +149,19 @@ def build_pipeline_config(
     if ar_backend:  # --ar-backend overrides every AR stage, `auto` included
         config = with_ar_backend(config, ar_backend)
     return config
+
+
+def pipeline_config_from_text(
+    source: ModelSource, text: str, ar_backend: str | None = None
+) -> PipelineConfig:
+    """Validate deploy YAML *text* (the Pipeline tab's editor) against ``source``'s family.
+
+    The parsed document is always a document, never a path: YAML text that is a plain string (say
+    ``/etc/passwd``) is a config problem, not a file to read.
+    """
+    data = parse_deploy_yaml_text(text)
+    deploy, problems = parse_deploy_config(data if data is not None else {})
+    return _resolve_for(source, deploy, problems, None, ar_backend)
 
 
 def with_ar_backend(config: PipelineConfig, backend: str) -> PipelineConfig:

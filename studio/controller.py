@@ -24,7 +24,7 @@ import yaml
 
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.config import ConfigProblem, DeployConfigError, PipelineConfig, parse_deploy_yaml_text
-from engine.engine import EngineBuildError, build_engine, build_pipeline_config, device_problems
+from engine.engine import EngineBuildError, build_engine, device_problems, pipeline_config_from_text
 from engine.events import EngineEvent
 from engine.modality import OutputModality
 from engine.models import ModelSource, describe_model
@@ -140,8 +140,7 @@ class Studio:
     def validate_text(self, text: str, check_devices: bool = True) -> ValidationReport:
         """Validate deploy YAML against the running model (and, by default, this machine's devices)."""
         try:
-            data = parse_deploy_yaml_text(text)
-            config = build_pipeline_config(self.model, data if data is not None else {}, self.ar_backend)
+            config = pipeline_config_from_text(self.model, text, self.ar_backend)
             problems = device_problems(config) if check_devices else []
         except DeployConfigError as exc:
             return ValidationReport(False, exc.problems)
@@ -173,7 +172,7 @@ class Studio:
         try:
             source = describe_model(model)
             text = self.default_deploy_text(source)
-            config = build_pipeline_config(source, yaml.safe_load(text) or {}, self.ar_backend)
+            config = pipeline_config_from_text(source, text, self.ar_backend)
         except DeployConfigError as exc:
             return ValidationReport(False, exc.problems)
         except (ValueError, UnknownModelFamily) as exc:

@@ -16,8 +16,10 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from studio.store import open_store
+from tests.conftest import tiny_deploy
 from tests.servers import running_server
 
 ABORT_BUDGET_S = 1.0
@@ -32,8 +34,13 @@ def chat_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def image_server(tmp_path_factory):
+    # One AR slot: a long decode holds stage 0 and the next request waits in its queue (with more
+    # slots it would join the running decode at once: continuous batching).
+    data_dir = tmp_path_factory.mktemp("abort-image")
+    deploy_path = data_dir / "deploy.yaml"
+    deploy_path.write_text(yaml.safe_dump(tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 1})))
     with running_server(
-        ["serve", "--model", "tiny-glm-image"], tmp_path_factory.mktemp("abort-image")
+        ["serve", "--model", "tiny-glm-image", "--deploy-config", str(deploy_path)], data_dir
     ) as server:
         yield server
 

@@ -325,3 +325,18 @@ def test_shipped_shapes_model_config_hash_is_pinned():
         build_pipeline_config(source, None, "vllm").config_hash()
         == "c48bcb1822b1abfaba7ed1ddec31b028237efd40a4f71b8d1380f31576cb7841"
     )
+
+
+def test_deploy_text_that_is_a_plain_string_is_not_read_as_a_path(tmp_path):
+    """The Pipeline tab validates YAML *text*: a document that is just a path is a config problem, and
+    the file it names is not read (it once was: a parsed string went down the deploy-file path)."""
+    from engine.engine import pipeline_config_from_text
+
+    real = tmp_path / "deploy.yaml"
+    real.write_text("stages:\n- stage_id: 0\n  max_num_seqs: 2\n")
+    with pytest.raises(DeployConfigError) as caught:
+        pipeline_config_from_text(describe_model("tiny-glm-image"), str(real))
+    assert "must be a mapping, got str" in caught.value.render()
+    for text in ("\ud800", "\x00", "'just text'"):
+        with pytest.raises(DeployConfigError):
+            pipeline_config_from_text(describe_model("tiny-glm-image"), text)

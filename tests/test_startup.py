@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from studio.launch import LOAD_DELAY_ENV, StartingApp
+from studio.launch import LOAD_DELAY_ENV
+from studio.starting import StartingApp
 from tests.servers import free_port
 
 CHAT = {

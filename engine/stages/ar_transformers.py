@@ -6,8 +6,8 @@ loop: sampling parameters, seeding, per-token progress and text deltas, stop on 
 
 Two loops (docs/batching.md):
 
-- A family that offers a :class:`FastDecoder` gets the lean loop: each request is prefilled alone, then
-  the rows of a batch decode together, one forward per token for the whole batch, with transformers' own
+- A family that offers a :class:`FastDecoder` gets the lean loop, continuously batched: each request is
+  prefilled alone as it arrives, then joins the rows decoding together, one forward per token for all, with transformers' own
   logits processors and a ``torch.Generator`` per request seeded with the request seed. The decoder keeps
   every row's float math identical to running alone (and to ``generate``), so token ids, and the pictures
   made from them, never depend on the neighbours; ``tests/test_ar_decode.py`` checks the ids against
@@ -19,10 +19,10 @@ Two loops (docs/batching.md):
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -37,9 +37,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.events import FinishReason, TokenProgress
+from engine.events import FinishReason, StageStatus, TokenProgress
 from engine.modality import OutputModality
-from engine.stages.base import StageCancelled, StageJob, StageRunner
+from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner
 
 # The RNG is process-global: two AR stages (two engines in one process) must not interleave seeding.
 GLOBAL_RNG_LOCK = threading.Lock()
@@ -129,6 +129,7 @@ class _Row:
     reported: int = 0  # generated tokens already sent as deltas
     last_report: float = 0.0
     done: bool = False
+    on_done: JobDone | None = None  # the engine's callback (continuous batching)
 
     @property
     def prompt_length(self) -> int:
@@ -213,36 +214,129 @@ class TransformersARStage(StageRunner):
         """The family's lean decode step, or None to always use ``generate`` (the default)."""
         return None
 
-    def batch_key(self, job: StageJob) -> Hashable:
-        # The lean loop decodes any mix of requests together (each row alone in its float math); without
-        # it, jobs run one at a time anyway.
-        return "lean" if self.fast_decoder() is not None else id(job)
+    # -- continuous batching --------------------------------------------------------------------------
+    # With a lean decoder the runner is ``concurrent``: the stage worker hands it each job as it arrives
+    # (up to max_num_seqs in flight) and one scheduler thread prefills newcomers alone, then adds them to
+    # the rows decoding together at the next token; each row reports done as soon as it finishes. Rows
+    # never change each other's float math, so joining mid-way changes no token (docs/batching.md).
 
-    def run(self, jobs: list[StageJob]) -> None:
-        decoder = self.fast_decoder()
-        if decoder is None:
-            for job in jobs:
-                self._run_one(job)
-            return
+    @property
+    def concurrent(self) -> bool:  # type: ignore[override]  # a class attribute on the base; here a model's
+        return self.fast_decoder() is not None
+
+    _inbox: queue.SimpleQueue[tuple[StageJob, JobDone] | None] | None = None
+    _scheduler: threading.Thread | None = None
+
+    def submit(self, job: StageJob, done: JobDone) -> None:
+        if self._scheduler is None:
+            self._inbox = queue.SimpleQueue()
+            self._scheduler = threading.Thread(
+                target=self._schedule, name=f"omni-ar-decode-{self.stage_id}", daemon=True
+            )
+            self._scheduler.start()
+        assert self._inbox is not None
+        self._inbox.put((job, done))
+
+    def close(self) -> None:
+        if self._scheduler is not None and self._inbox is not None:
+            self._inbox.put(None)
+            self._scheduler.join(timeout=30)
+            self._scheduler = None
+        super().close()
+
+    def _schedule(self) -> None:
+        """The decode thread: take newcomers (blocking only when idle), prefill, one step for all rows."""
+        inbox = self._inbox
+        assert inbox is not None
         rows: list[_Row] = []
-        for job in jobs:
+        with torch.inference_mode():
+            while True:
+                arrivals: list[tuple[StageJob, JobDone] | None] = []
+                if not rows:
+                    arrivals.append(inbox.get())
+                while True:
+                    try:
+                        arrivals.append(inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if None in arrivals:
+                    for row in rows:
+                        self._end_row(row, StageStatus.CANCELLED, None)
+                    for item in arrivals:
+                        if item is not None:
+                            item[1](StageStatus.CANCELLED, None)
+                    return
+                for job, done in cast(list[tuple[StageJob, JobDone]], arrivals):
+                    admitted = self._admit(job, done)
+                    if admitted is not None:
+                        rows.append(admitted)
+                rows = self._advance(rows)
+
+    def _admit(self, job: StageJob, done: JobDone) -> _Row | None:
+        """Prepare and prefill a newcomer; jobs the lean loop cannot take run through ``generate`` here."""
+        decoder = self.fast_decoder()
+        try:
             if job.cancelled:
-                continue
+                raise StageCancelled()
             prepared = self.prepare(job)
             job.scratch["max_new_tokens"] = prepared.max_new_tokens
             job.input_tokens = prepared.prompt_length
-            row = self._lean_row(decoder, job, prepared)
-            if row is None:
-                try:
-                    self._run_one(job, prepared)
-                except StageCancelled:
-                    continue  # this job only; its neighbours go on
-            else:
-                rows.append(row)
-        if rows:
-            self._decode(decoder, rows)
-        if all(job.cancelled for job in jobs):
-            raise StageCancelled()
+            row = None if decoder is None else self._lean_row(decoder, job, prepared)
+            if decoder is None or row is None:
+                self._run_one(job, prepared)
+                done(StageStatus.SUCCEEDED, None)
+                return None
+            row.on_done = done
+            row.logits, row.state = decoder.prefill(prepared.model_inputs)
+            return row
+        except StageCancelled:
+            done(StageStatus.CANCELLED, None)
+        except Exception as exc:  # this job fails; the rows decoding go on
+            done(StageStatus.FAILED, exc)
+        return None
+
+    def _advance(self, rows: list[_Row]) -> list[_Row]:
+        """One token for every row; finished rows report done at once. Returns the rows still decoding."""
+        decoder = self.fast_decoder()
+        try:
+            tokens = [self._next_token(row) for row in rows]
+            for row in rows:
+                if row.done:
+                    self._end_row(row, StageStatus.CANCELLED if row.job.cancelled else StageStatus.SUCCEEDED)
+            chosen = [(row, token) for row, token in zip(rows, tokens, strict=True) if not row.done]
+            live = [row for row, _ in chosen]
+            if live and decoder is not None:
+                logits = decoder.step(
+                    [row.state for row in live],
+                    torch.stack([token for _, token in chosen]),
+                    [row.generated - 1 for row in live],
+                )
+                for i, row in enumerate(live):
+                    row.logits = logits[i : i + 1]
+            return live
+        except Exception as exc:  # a failing forward fails the rows in it, never the stage
+            for row in rows:
+                if not row.done:
+                    row.done = True
+                    self._end_row(row, StageStatus.FAILED, exc)
+            return []
+
+    def _end_row(self, row: _Row, status: StageStatus, error: Exception | None = None) -> None:
+        row.state = row.logits = None
+        done, row.on_done = row.on_done, None
+        if done is None:
+            return
+        if status == StageStatus.SUCCEEDED:
+            try:
+                self._finish_row(row)
+            except Exception as exc:
+                status, error = StageStatus.FAILED, exc
+        done(status, error)
+
+    def run(self, jobs: list[StageJob]) -> None:
+        """Without a lean decoder: one job at a time through ``generate`` (with one, see ``submit``)."""
+        for job in jobs:
+            self._run_one(job)
 
     def _lean_row(self, decoder: FastDecoder, job: StageJob, prepared: ARInputs) -> _Row | None:
         """A lean-loop row for the job, or None if it needs ``generate`` (options the loop lacks)."""
@@ -284,32 +378,6 @@ class TransformersARStage(StageRunner):
             sequence=sequence,
             length=prepared.prompt_length,
         )
-
-    def _decode(self, decoder: FastDecoder, rows: list[_Row]) -> None:
-        """Prefill every row alone, then decode the live rows together, one forward per token."""
-        with torch.inference_mode():
-            for row in rows:
-                if row.job.cancelled:
-                    row.done = True
-                    continue
-                row.logits, row.state = decoder.prefill(row.prepared.model_inputs)
-            live = [row for row in rows if not row.done]
-            while live:
-                tokens = [self._next_token(row) for row in live]
-                chosen = [(row, token) for row, token in zip(live, tokens, strict=True) if not row.done]
-                live = [row for row, _ in chosen]
-                if not live:
-                    break
-                logits = decoder.step(
-                    [row.state for row in live],
-                    torch.stack([token for _, token in chosen]),
-                    [row.generated - 1 for row in live],
-                )
-                for i, row in enumerate(live):
-                    row.logits = logits[i : i + 1]
-        for row in rows:
-            row.state = row.logits = None
-            self._finish_row(row)
 
     def _next_token(self, row: _Row) -> torch.Tensor:
         """Pick the row's next token as ``generate`` would (processors, then argmax or multinomial)."""
