@@ -100,6 +100,21 @@ def _options(groups: tuple[str, ...], defaults: bool, limits: tuple[str, ...] | 
             metavar="VALUE",
             help="the literal fingerprint for --fingerprint-mode custom",
         )
+        s.add_argument(
+            "--image-reply",
+            choices=("content", "images"),
+            default=_d("content"),
+            help="chat image replies: 'content' (image_url parts in message.content, the default) or "
+            "'images' (content a string, the parts in message.images); a request's image_reply overrides it",
+        )
+        s.add_argument(
+            "--output-url-ttl",
+            type=int,
+            default=_d(3600),
+            metavar="SECONDS",
+            help="lifetime of the signed /v1/outputs URLs that response_format 'url' returns with an API key "
+            "(default 3600)",
+        )
     if "limits" in groups:
         title = "limits on requests (over a limit: 400/413 naming the field and the limit)"
         if limits is not None:
@@ -334,7 +349,11 @@ def settings_from_args(args: argparse.Namespace) -> StudioSettings:
         api_key=args.api_key,
         db_url=args.db,
         limits=limits_from_args(args),
+        image_reply=getattr(args, "image_reply", "content"),
+        output_url_ttl=getattr(args, "output_url_ttl", 3600),
     )
+    if settings.output_url_ttl < 1:
+        raise UserError("--output-url-ttl must be at least 1 second")
     if args.command in SERVING_COMMANDS:  # refused before anything loads; a run serves no fingerprint
         from studio.api.fingerprint import FingerprintError, FingerprintSettings  # light: no torch
 

@@ -119,6 +119,8 @@ def serving_options(settings: StudioSettings) -> ServingOptions:
         fingerprint=settings.fingerprint or FingerprintSettings(),
         data_dir=settings.data_dir,
         limits=settings.limits,
+        image_reply="images" if settings.image_reply == "images" else "content",
+        output_url_ttl=settings.output_url_ttl,
     )
 
 

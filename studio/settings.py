@@ -36,6 +36,8 @@ class StudioSettings:
     fingerprint: FingerprintSettings | None = None
     db_url: str | None = None  # SQLAlchemy URL of the run store; None: SQLite in the data dir
     limits: InputLimits = field(default_factory=InputLimits)  # what a request may carry (--max-* flags)
+    image_reply: str = "content"  # chat images: list content, or "images" (message.images): --image-reply
+    output_url_ttl: int = 3600  # seconds a signed /v1/outputs URL works (with an API key): --output-url-ttl
 
     def deploy_text(self) -> str | None:
         """The deploy YAML the studio started with (shown and edited in the Pipeline tab)."""

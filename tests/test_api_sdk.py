@@ -107,7 +107,8 @@ def test_images_generate_url_serves_the_file(client, glm_server):
         model="tiny-glm-image", prompt="a cat", size="64x64", response_format="url", extra_body={"seed": 9}
     )
     url = result.data[0].url
-    assert url.startswith(glm_server.url + "/v1/outputs/") and url.endswith(".png")
+    assert url.startswith(glm_server.url + "/v1/outputs/") and httpx.URL(url).path.endswith(".png")
+    assert httpx.get(url).status_code == 200  # signed: no key needed (tests/test_api_clients.py)
     fetched = httpx.get(url, headers={"Authorization": f"Bearer {API_KEY}"})
     assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/png"
     assert Image.open(io.BytesIO(fetched.content)).size == (64, 64)

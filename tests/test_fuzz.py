@@ -317,3 +317,75 @@ def test_fuzz_deploy_yaml(document):
         build_pipeline_config(source, data if data is not None else {})
     except DeployConfigError as exc:
         assert exc.problems and exc.render()
+
+
+# -- schemathesis over the OpenAPI document --------------------------------------------------------
+
+SCHEMATHESIS_BUDGET_S = float(os.environ.get("OMNI_STUDIO_SCHEMATHESIS_S", "50"))
+SCHEMATHESIS_EXAMPLES = int(os.environ.get("OMNI_STUDIO_SCHEMATHESIS_EXAMPLES", "40"))
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """Tight limits: whatever valid request schemathesis builds from the document runs in a fraction of a
+    second (a 4096x4096 image is a 400 here, not minutes of work)."""
+    args = [
+        "serve",
+        "--model",
+        "tiny-glm-image",
+        "--max-image-side",
+        "64",
+        "--max-steps",
+        "2",
+        "--max-n",
+        "2",
+    ]
+    args += ["--max-prompt-chars", "200", "--max-messages", "4"]
+    with running_server(args, tmp_path_factory.mktemp("schemathesis")) as server:
+        yield server
+
+
+def test_schemathesis_over_the_openapi_document(small_server):
+    """Cases generated from ``/openapi.json`` for every operation (bounded in time); no 5xx, and every
+    response of an operation matches a status the document declares for it."""
+    import schemathesis
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import status_code_conformance
+
+    schema = schemathesis.openapi.from_url(small_server.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == 8
+    deadline = time.monotonic() + SCHEMATHESIS_BUDGET_S
+    per_operation = SCHEMATHESIS_BUDGET_S / len(operations)
+    tally = {"cases": 0, "5xx": 0, "statuses": {}}
+    failures: list[str] = []
+    stop = [0.0]  # when the current operation's share of the budget ends
+    for operation in operations:
+        stop[0] = min(deadline, time.monotonic() + per_operation)
+
+        @given(case=operation.as_strategy())
+        @settings(
+            max_examples=SCHEMATHESIS_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
+        def check(case):
+            if time.monotonic() > stop[0]:
+                return
+            response = case.call(base_url=small_server.url, timeout=60)
+            tally["cases"] += 1
+            tally["statuses"][response.status_code] = tally["statuses"].get(response.status_code, 0) + 1
+            if response.status_code >= 500:
+                tally["5xx"] += 1
+            try:
+                case.validate_response(response, checks=[not_a_server_error, status_code_conformance])
+            except Exception as exc:  # collected: one report for the whole run
+                failures.append(f"{case.operation.label}: {str(exc)[:300]}")
+
+        check()
+    print(f"schemathesis: {tally['cases']} cases, {tally['5xx']} 5xx, statuses {tally['statuses']}")
+    assert tally["cases"] >= len(operations) * 5
+    assert tally["5xx"] == 0 and not failures, "\n".join(failures[:10])
+    assert httpx.get(small_server.url + "/health").json()["status"] == "ok"

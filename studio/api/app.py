@@ -8,6 +8,7 @@ handlers, so the next response carries the new value.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -36,11 +37,22 @@ from studio.api.errors import APIError, from_validation_error
 from studio.api.fingerprint import FingerprintSettings, system_fingerprint
 from studio.api.inputs import check_json_depth, check_json_text, decode_image_bytes
 from studio.api.metrics import APIMetrics
-from studio.api.protocol import ChatCompletionRequest, ImageGenerationRequest
+from studio.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ImageGenerationRequest,
+    ImageReply,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+)
 from studio.api.serving_base import ServingContext
 from studio.api.serving_chat import OpenAIServingChat
 from studio.api.serving_images import OpenAIServingImages
 from studio.api.serving_models import OpenAIServingModels
+from studio.api.signing import DEFAULT_TTL_S, URLSigner, load_secret
 from studio.limits import InputLimits
 from studio.runs import ClientSlots, Recording, RunService
 from studio.store.files import OutputFiles
@@ -63,6 +75,8 @@ class ServingOptions:
     fingerprint: FingerprintSettings = field(default_factory=FingerprintSettings)
     limits: InputLimits = field(default_factory=InputLimits)
     data_dir: Path | None = None
+    image_reply: ImageReply = "content"  # chat images: list content (default) or message.images
+    output_url_ttl: int = DEFAULT_TTL_S  # lifetime of signed /v1/outputs URLs (with an API key set)
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,7 @@ class ServingState:
         self.engine: OmniEngine | None = None
         self.handlers: Handlers | None = None
         self._lock = threading.Lock()
+        self._signer: URLSigner | None = None
         # Per-client in-flight counts outlive handler rebuilds (fingerprint changes, engine swaps).
         self.client_slots = ClientSlots(self.options.limits.max_in_flight_per_client)
         if engine is not None:
@@ -109,6 +124,21 @@ class ServingState:
         if store is not None:
             return store.files
         return OutputFiles.in_data_dir(self.options.data_dir) if self.options.data_dir else None
+
+    @property
+    def signer(self) -> URLSigner:
+        """Signs ``/v1/outputs`` URLs with the data dir's secret (studio/api/signing.py)."""
+        if self._signer is None:
+            self._signer = URLSigner(load_secret(self.options.data_dir))
+        return self._signer
+
+    def output_url(self, base: str, sha: str) -> str:
+        """The URL of an output file: signed (``?exp=...&sig=...``) when an API key is set."""
+        name = f"{sha}.png"
+        url = f"{base}/v1/outputs/{name}"
+        if self.options.api_key:
+            url += "?" + self.signer.query(name, self.options.output_url_ttl)
+        return url
 
     def run_service(self) -> RunService:
         """The run path of API requests: recorded under this state's source, stage timings in the metrics."""
@@ -142,6 +172,8 @@ class ServingState:
                 metrics=self.metrics,
                 limits=self.options.limits,
                 runs=self.run_service(),
+                image_reply=self.options.image_reply,
+                output_url=self.output_url,
             )
             self.handlers = Handlers(
                 OpenAIServingChat(context),
@@ -251,7 +283,7 @@ def parse(model: type[ModelT], data: dict[str, Any]) -> ModelT:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise from_validation_error(exc) from exc
+        raise from_validation_error(exc, data) from exc
 
 
 async def read_edit_form(request: Request, state: ServingState) -> tuple[dict[str, Any], Any]:
@@ -411,6 +443,22 @@ async def _images_edits(request: Request, state: ServingState) -> Response:
 
 async def _outputs(request: Request, state: ServingState) -> Response:
     name = request.path_params["name"]
+    if state.options.api_key:
+        # The bearer key, or a signed URL (what response_format "url" answers with a key set): a plain GET
+        # of that URL works until it expires; tampered, expired or unsigned without the key -> 403.
+        if request.headers.get("authorization"):
+            state.check_api_key(request)
+        else:
+            problem = state.signer.problem(
+                name, request.query_params.get("exp"), request.query_params.get("sig")
+            )
+            if problem is not None:
+                raise APIError(
+                    403,
+                    f"{problem}: use the signed URL from the response or send 'Authorization: Bearer <key>'",
+                    None,
+                    "invalid_signature",
+                )
     match = SHA_FILE.match(name)
     files = state.files
     path = files.path(match.group(1)) if match is not None and files is not None else None
@@ -450,14 +498,81 @@ API_ROUTES: list[tuple[str, str, str, Endpoint, bool]] = [
     ("POST", "/v1/chat/completions", "chat_completions", _chat, True),
     ("POST", "/v1/images/generations", "images_generations", _images_generations, True),
     ("POST", "/v1/images/edits", "images_edits", _images_edits, True),
-    ("GET", "/v1/outputs/{name}", "outputs", _outputs, True),
+    ("GET", "/v1/outputs/{name}", "outputs", _outputs, False),  # the key or a signed URL: see _outputs
 ]
 UNKNOWN_PATH = "/v1/{path:path}"  # after every other route: OpenAI errors for unknown routes and methods
 UNKNOWN_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses
+    }
+
+
+ERROR_DESCRIPTIONS = {
+    400: "a bad, over-limit or unsupported field (`param` names it)",
+    401: "missing or wrong API key",
+    403: "an unsigned, tampered or expired output URL",
+    404: "unknown model or file",
+    405: "method not allowed",
+    413: "body or image too large",
+    422: "the upload is not an image",
+    429: "queue full, too many requests in flight or too many wrong keys (Retry-After)",
+    500: "engine failure (recorded as a failed run)",
+    503: "the engine is not ready (Retry-After)",
+}
+GENERATION_ERRORS = (400, 401, 404, 413, 422, 429, 500, 503)
+PNG_RESPONSE = {"content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}}
+SSE_RESPONSE = {
+    "description": "a chat completion, or with `stream: true` `chat.completion.chunk` events ending in "
+    "`data: [DONE]`",
+    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+ROUTE_DOCS: dict[str, dict[str, Any]] = {
+    "health": {"response_model": HealthResponse, "summary": "Liveness: 'ok' once the engine serves"},
+    "metrics": {
+        "summary": "Prometheus metrics",
+        "responses": {
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+            **_errors(401),
+        },
+    },
+    "models": {"response_model": ModelList, "summary": "The served model", "responses": _errors(401, 503)},
+    "model": {
+        "response_model": ModelCard,
+        "summary": "One model by name (the SDK's models.retrieve)",
+        "responses": _errors(401, 404, 503),
+    },
+    "chat_completions": {
+        "response_model": ChatCompletionResponse,
+        "summary": "Chat: text and images (streams with progress)",
+        "responses": {200: SSE_RESPONSE, **_errors(*GENERATION_ERRORS)},
+    },
+    "images_generations": {
+        "response_model": ImagesResponse,
+        "summary": "Text to image",
+        "responses": _errors(*GENERATION_ERRORS),
+    },
+    "images_edits": {
+        "response_model": ImagesResponse,
+        "summary": "Image to image (multipart form)",
+        "responses": _errors(*GENERATION_ERRORS),
+    },
+    "outputs": {
+        "summary": "An output file (response_format 'url'); the key or a signed URL when a key is set",
+        "response_class": FileResponse,
+        "responses": {200: PNG_RESPONSE, **_errors(401, 403, 404)},
+    },
+}
+
+
 def create_api_router(state: ServingState) -> APIRouter:
-    """All API routes over ``state`` (include it in any FastAPI app, Gradio's included)."""
+    """All API routes over ``state`` (include it in any FastAPI app, Gradio's included), with
+    ``/openapi.json`` and ``/docs`` (studio/api/openapi.py)."""
+    from studio import __version__
+    from studio.api.openapi import build_document, docs_router
+
     router = APIRouter()
     for method, path, name, handler, auth in API_ROUTES:
         router.add_api_route(
@@ -466,7 +581,11 @@ def create_api_router(state: ServingState) -> APIRouter:
             methods=[method],
             include_in_schema=True,
             name=name,
+            **ROUTE_DOCS.get(name, {}),
         )
+    authenticated = {name for _, _, name, _, auth in API_ROUTES if auth}
+    document = functools.partial(build_document, router, __version__, authenticated)
+    router.include_router(docs_router(document))
     router.add_api_route(
         UNKNOWN_PATH,
         _endpoint(state, "unknown", _unknown, auth=False),
@@ -481,7 +600,10 @@ def create_app(state: ServingState) -> FastAPI:
     """The API-only app behind ``omni-studio serve``."""
     from studio import __version__
 
-    app = FastAPI(title="Omni Studio API", version=__version__)
+    # The document and the docs pages come from the router (the same in `ui` mode): not FastAPI's own.
+    app = FastAPI(
+        title="Omni Studio API", version=__version__, openapi_url=None, docs_url=None, redoc_url=None
+    )
     app.include_router(create_api_router(state))
     app.state.serving = state
     return app

@@ -49,25 +49,74 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
-def _param(loc: tuple[Any, ...]) -> str:
+_MISSING = object()
+
+
+def client_path(loc: tuple[Any, ...], data: Any = _MISSING) -> tuple[str, bool]:
+    """The client's field path of a pydantic error location, and whether its last element is a union
+    branch name pydantic inserted (``str``, ``list[union[TextPart,ImagePart]]``, ``TextPart``): those are
+    not fields of the request, so the location is walked over the data the client sent and every element
+    that is not a key or index there is left out (a missing or unsupported field, the last element, stays)."""
     out = ""
-    for part in loc:
+    node = data
+    tag_last = False
+    for position, part in enumerate(loc):
+        last = position == len(loc) - 1
+        tag_last = False
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("TextPart", "ImagePart") or "[" in str(part):
-            continue  # union branch names pydantic inserts into locations
-        else:
+            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else _MISSING
+        elif isinstance(node, dict) and part in node:
             out += ("." if out else "") + str(part)
-    return out
+            node = node[part]
+        elif data is _MISSING:  # no data to walk: leave out the branch names pydantic uses here
+            if part in ("TextPart", "ImagePart", "str") or "[" in str(part):
+                tag_last = True
+                continue
+            out += ("." if out else "") + str(part)
+        elif last and isinstance(node, dict):  # a missing or unsupported field of this object
+            out += ("." if out else "") + str(part)
+        else:
+            tag_last = True  # a union branch name: not something the client sent
+    return out, tag_last
 
 
-def from_validation_error(exc: ValidationError) -> APIError:
-    """The first problem of a request body, as a 400 naming the field."""
-    errors = exc.errors()
+def _client_errors(errors: list[Any], data: Any) -> list[Any]:
+    """Drop the errors of union branches the client did not mean: a branch whose ``type`` literal does not
+    match (an ``image_url`` part checked as a text part), and a type mismatch of a whole branch (``str``)
+    where another branch of the same field got further. What is left names the client's real problem."""
+    wrong_branches = [
+        tuple(e["loc"][:-1]) for e in errors if e["type"] == "literal_error" and e["loc"][-1:] == ("type",)
+    ]
+
+    def keep(error: Any) -> bool:
+        loc = tuple(error["loc"])
+        is_type_error = error["type"] == "literal_error" and loc[-1:] == ("type",)
+        if not is_type_error and any(loc[: len(b)] == b for b in wrong_branches):
+            return False
+        _, tag_last = client_path(loc, data)
+        if tag_last and str(error["type"]).endswith("_type"):
+            prefix = loc[:-1]
+            if any(tuple(o["loc"][: len(prefix)]) == prefix and o is not error for o in errors):
+                return False
+        return True
+
+    kept = [e for e in errors if keep(e)]
+    # A branch whose ``type`` matched has the client's problem: the other branches' ``type`` errors are noise.
+    matched = [e for e in kept if not any(tuple(e["loc"][: len(b)]) == b for b in wrong_branches)]
+    if matched:
+        kept = matched
+    return kept or errors
+
+
+def from_validation_error(exc: ValidationError, data: Any = _MISSING) -> APIError:
+    """The first problem of a request body, as a 400 naming the client's field path (``data``, the body
+    the client sent, lets union branch names be told from fields)."""
+    errors = _client_errors(exc.errors(), data)
     # Prefer "unsupported field" errors: they are the ones a client most needs to hear about.
     errors.sort(key=lambda e: e["type"] != "extra_forbidden")
     first = errors[0]
-    param = _param(first["loc"])
+    param, _ = client_path(tuple(first["loc"]), data)
     if first["type"] == "extra_forbidden":
         message = (
             f"Unsupported field '{param}': this server does not implement it (remove it from the request)"

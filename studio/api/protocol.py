@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+ImageReply = Literal["content", "images"]
+IMAGE_REPLIES: tuple[str, ...] = ("content", "images")
 SIZE_PATTERN = re.compile(r"^(\d{1,5})x(\d{1,5})$")  # digits bounded: int() of 5000 digits raises
 MODALITY_NAMES = ("text", "image", "audio", "latent", "token_ids")
 
@@ -70,6 +72,8 @@ class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    # An earlier assistant reply sent back as it came with ``image_reply: "images"`` (history: not read).
+    images: list[ImagePart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -98,7 +102,30 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=32768)
     modalities: list[str] | None = None
     user: str | None = None
+    image_reply: ImageReply | None = Field(
+        None,
+        description=(
+            "How images come back: 'content' (default) as image_url parts of message.content; 'images' with "
+            "message.content a string and the parts in message.images (streams: delta.images)"
+        ),
+    )
     extra_body: GenerationFields | None = None
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "tiny-glm-image",
+                    "messages": [{"role": "user", "content": "a red circle on a blue background"}],
+                    "seed": 42,
+                    "height": 64,
+                    "width": 64,
+                    "num_inference_steps": 4,
+                }
+            ]
+        },
+    )
 
     @field_validator("modalities")
     @classmethod
@@ -152,6 +179,15 @@ class ImageGenerationRequest(StrictRequest):
     height: int | None = Field(None, ge=16, le=4096)
     width: int | None = Field(None, ge=16, le=4096)
 
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"prompt": "a red circle", "seed": 7, "size": "64x64", "response_format": "b64_json"}
+            ]
+        },
+    )
+
     @field_validator("size")
     @classmethod
     def _size_format(cls, value: str | None) -> str | None:
@@ -202,3 +238,85 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class ImageEditForm(BaseModel):
+    """``POST /v1/images/edits`` (multipart/form-data): the image file and the generation fields."""
+
+    image: bytes = Field(
+        json_schema_extra={"format": "binary"}, description="the source image (PNG, JPEG, ...)"
+    )
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=8)
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: Literal["png"] | None = None
+    quality: Literal["auto", "standard"] | None = None
+    user: str | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    num_inference_steps: int | None = Field(None, ge=1, le=1000)
+    guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
+    negative_prompt: str | None = None
+    height: int | None = Field(None, ge=16, le=4096)
+    width: int | None = Field(None, ge=16, le=4096)
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImageURLOut(BaseModel):
+    url: str = Field(description="a data:image/png;base64 URL")
+
+
+class ImagePartOut(BaseModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURLOut
+
+
+class TextPartOut(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | list[TextPartOut | ImagePartOut] = Field(
+        description="text; with images, a list of parts (image_reply 'content') or the text (image_reply 'images')"
+    )
+    images: list[ImagePartOut] | None = Field(None, description="the images, with image_reply 'images'")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A chat completion (``stream: true`` sends ``chat.completion.chunk`` server-sent events instead)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = Field(None, description="with response_format 'url'; signed when an API key is set")
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    output_format: Literal["png"] = "png"
+    system_fingerprint: str | None = None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "starting"]
+    model: str | None = None

@@ -14,7 +14,7 @@ import base64
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,8 @@ class ServingContext:
     metrics: APIMetrics
     limits: InputLimits
     runs: RunService
+    image_reply: str = "content"  # the server's default: list content, or "images" (message.images)
+    output_url: Callable[[str, str], str] | None = None  # (base URL, sha256) -> URL, signed with a key set
 
 
 def png_data_url(image: Any) -> str:

@@ -3,6 +3,10 @@
 Streaming rule for ``system_fingerprint`` (README.md, "The API"): exactly one chunk carries it: the terminal
 chunk (the one with ``finish_reason``) when usage is not requested, the trailing usage chunk
 (``choices: []``) when ``stream_options.include_usage`` is true.
+
+Images come back as ``image_url`` parts of ``message.content`` (a list; in streams ``delta.content``) by
+default, or with ``image_reply: "images"`` (per request, or ``--image-reply images`` for the server) with
+``content`` a string and the same parts in ``message.images`` / ``delta.images``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from studio.api.serving_base import (
 )
 
 
+def image_parts(output: RunOutput) -> list[dict[str, Any]]:
+    return [{"type": "image_url", "image_url": {"url": png_data_url(image)}} for image in output.images]
+
+
 def message_content(output: RunOutput) -> str | list[dict[str, Any]]:
     """Plain text for text-only outputs; otherwise a list of parts (text first, then images)."""
     if not output.images:
@@ -44,8 +52,18 @@ def message_content(output: RunOutput) -> str | list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     if output.text:
         parts.append({"type": "text", "text": output.text})
-    parts += [{"type": "image_url", "image_url": {"url": png_data_url(image)}} for image in output.images]
-    return parts
+    return parts + image_parts(output)
+
+
+def message(output: RunOutput, image_reply: str) -> dict[str, Any]:
+    """The assistant message: images as content parts (``content``, the default) or, with ``images``, the
+    text as a string and the images in ``message.images`` (the convention litellm and others read)."""
+    if image_reply == "images":
+        reply: dict[str, Any] = {"role": "assistant", "content": output.text or ""}
+        if output.images:
+            reply["images"] = image_parts(output)
+        return reply
+    return {"role": "assistant", "content": message_content(output)}
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -60,11 +78,12 @@ class OpenAIServingChat(OpenAIServing):
         engine_request = chat_to_engine_request(request, self.context.limits)
         resolved = self.resolve(engine_request)
         tracker = self.track(resolved, payload)
+        image_reply = request.image_reply or self.context.image_reply
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             self.check_admission(tracker, raw)  # a 429, not an error chunk after a 200
             return StreamingResponse(
-                self.stream(resolved, tracker, include_usage, client_id(raw)),
+                self.stream(resolved, tracker, include_usage, client_id(raw), image_reply),
                 media_type="text/event-stream",
                 headers={
                     "Cache-Control": "no-cache",
@@ -81,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
             "choices": [
                 {
                     "index": output.index,
-                    "message": {"role": "assistant", "content": message_content(output)},
+                    "message": message(output, image_reply),
                     "finish_reason": output.finish_reason,
                 }
                 for output in result.outputs
@@ -95,7 +114,12 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body, headers=reply_headers(resolved, tracker))
 
     async def stream(
-        self, resolved, tracker: RunTracking, include_usage: bool, client: str | None = None
+        self,
+        resolved,
+        tracker: RunTracking,
+        include_usage: bool,
+        client: str | None = None,
+        image_reply: str = "content",
     ) -> AsyncIterator[str]:
         chunk_id, created = completion_id(), now()
         n = resolved.n
@@ -111,8 +135,12 @@ class OpenAIServingChat(OpenAIServing):
             }
             return sse(body)
 
-        def delta(index: int, content: Any = None, **extra: Any) -> dict[str, Any]:
+        def delta(
+            index: int, content: Any = None, images: list[dict[str, Any]] | None = None, **extra: Any
+        ) -> dict[str, Any]:
             d: dict[str, Any] = {} if content is None else {"content": content}
+            if images is not None:
+                d["images"] = images
             return {"index": index, "delta": d, "finish_reason": None, **extra}
 
         yield chunk(
@@ -134,11 +162,11 @@ class OpenAIServingChat(OpenAIServing):
                 if isinstance(event, RunFinished):
                     for output in event.outputs:
                         if output.images:  # text already streamed as deltas
-                            parts = [
-                                {"type": "image_url", "image_url": {"url": png_data_url(img)}}
-                                for img in output.images
-                            ]
-                            yield chunk([delta(output.index, parts)])
+                            parts = image_parts(output)
+                            if image_reply == "images":
+                                yield chunk([delta(output.index, images=parts)])
+                            else:
+                                yield chunk([delta(output.index, parts)])
                     fingerprint = (
                         {}
                         if self.system_fingerprint is None

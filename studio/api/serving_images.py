@@ -1,7 +1,8 @@
 """``POST /v1/images/generations`` and ``POST /v1/images/edits`` (OpenAI Images API).
 
 ``response_format: b64_json`` inlines the PNG; ``url`` points at ``GET /v1/outputs/<sha256>.png``, which
-serves the content-addressed file (the same file the run store keeps).
+serves the content-addressed file (the same file the run store keeps); with an API key set the URL is signed
+(studio/api/signing.py) so a plain GET works without the key until it expires.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class OpenAIServingImages(OpenAIServing):
                     )
                 sha = kept[0]
                 base = str(raw.base_url).rstrip("/") if raw is not None else ""
-                data.append({"url": f"{base}/v1/outputs/{sha}.png", "revised_prompt": None})
+                make_url = self.context.output_url
+                url = make_url(base, sha) if make_url is not None else f"{base}/v1/outputs/{sha}.png"
+                data.append({"url": url, "revised_prompt": None})
             else:
                 encoded = png_bytes(image_out)
                 data.append({"b64_json": base64.b64encode(encoded).decode(), "revised_prompt": None})
