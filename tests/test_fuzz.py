@@ -303,8 +303,8 @@ def test_fuzz_deploy_yaml(document):
     """Any YAML document is a valid config or a DeployConfigError naming stage and key; nothing else."""
     import yaml
 
-    from engine.config import DeployConfigError, parse_deploy_yaml_text
-    from engine.engine import build_pipeline_config
+    from engine.config import DeployConfigError
+    from engine.engine import pipeline_config_from_text
     from engine.models import describe_model
 
     try:
@@ -313,8 +313,7 @@ def test_fuzz_deploy_yaml(document):
         return
     source = describe_model("tiny-glm-image")
     try:
-        data = parse_deploy_yaml_text(text)
-        build_pipeline_config(source, data if data is not None else {})
+        pipeline_config_from_text(source, text)
     except DeployConfigError as exc:
         assert exc.problems and exc.render()
 
