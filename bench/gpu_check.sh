@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: GLM-Image T2I with both stages on the GPU (AR on vLLM, DiT + VAE on diffusers), per-stage times,
-# greedy token parity vLLM vs transformers, then the AR backend benchmark.
+# greedy token parity vLLM vs transformers, the AR backend benchmark, then batch throughput at 1 and 8
+# clients over HTTP (bench/throughput.py).
 #
 #   bash bench/gpu_check.sh                      # the tiny model (64x64, 4 steps)
 #   bash bench/gpu_check.sh /models/GLM-Image    # a local GLM-Image checkpoint (1024x1024, 50 steps)
@@ -87,5 +88,12 @@ if [ "$MODEL" = tiny-glm-image ]; then
   .venv/bin/python bench/ar_backends.py --repeat 3
 else
   .venv/bin/python bench/ar_backends.py --model "$MODEL" --size "$SIZE" --repeat 2 --dtype bfloat16
+fi
+# Batch throughput at 1 and 8 clients over HTTP (the served preset, AR batching on), with the alone-bytes
+# check: the same request and seed give the same PNG alone and among 8.
+if [ "$MODEL" = tiny-glm-image ]; then
+  .venv/bin/python bench/throughput.py --model tiny-glm-shapes --levels 1 8 --rounds 2
+else
+  .venv/bin/python bench/throughput.py --model "$MODEL" --levels 1 8 --rounds 1 --per-client 1
 fi
 echo "[gpu_check] done in $((SECONDS - started)) s"
