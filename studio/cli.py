@@ -286,6 +286,20 @@ def build_parser() -> argparse.ArgumentParser:
         "import", "import a bundle (runs already present are skipped)", "omni-studio history import runs.zip"
     )
     imp.add_argument("file", metavar="FILE", help="the bundle to read")
+    prune = action(
+        "prune",
+        "delete finished runs matching filters, with the output files no run uses any more",
+        "omni-studio history prune --older-than 90 --status failed --dry-run",
+    )
+    prune.add_argument(
+        "--older-than", type=float, metavar="DAYS", help="only runs created DAYS ago or earlier"
+    )
+    prune.add_argument("--status", default=None, help="only runs with this status (e.g. failed)")
+    prune.add_argument("--search", default=None, metavar="TEXT", help="only runs with TEXT in the prompt")
+    prune.add_argument("--model", default=None, help="only runs of this model")
+    prune.add_argument("--all", action="store_true", help="every finished run (when no filter is given)")
+    prune.add_argument("--dry-run", action="store_true", help="print how many runs match; delete nothing")
+    prune.add_argument("--vacuum", action="store_true", help="then give the space back (VACUUM; see docs)")
     return parser
 
 
@@ -566,6 +580,13 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
                 f"imported {result.imported} run{'s' if result.imported != 1 else ''}, "
                 f"skipped {result.skipped} already present"
             )
+        elif action == "prune":
+            from studio.store.terminal import prune_history
+
+            try:
+                print(prune_history(store, args))
+            except ValueError as exc:  # no filter without --all, an unknown --status
+                raise UserError(str(exc)) from exc
         return 0
     finally:
         store.close()

@@ -214,3 +214,18 @@ def test_omni_studio_run_is_recorded(
     [image] = run.images
     assert image.path.read_bytes() == out_file.read_bytes()  # the file the user got is the one recorded
     assert (data_dir / "runs.db").exists()
+
+
+def test_prune_by_filter(
+    history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    code, _out, err = cli(capsys, db_url, data_dir, "prune")
+    assert code == 2 and "give a filter" in err  # never everything by accident
+    code, out, _ = cli(capsys, db_url, data_dir, "prune", "--status", "failed", "--dry-run")
+    assert code == 0 and "would delete 1 run " in out
+    code, out, _ = cli(capsys, db_url, data_dir, "prune", "--search", "owl", "--vacuum")
+    assert code == 0 and out.startswith("deleted 1 run") and "vacuumed" in out
+    code, out, _ = cli(capsys, db_url, data_dir, "ls", "--json")
+    assert {r["id"] for r in json.loads(out)} == {history["fox"], history["cat"]}
+    code, out, _ = cli(capsys, db_url, data_dir, "prune", "--older-than", "1")
+    assert code == 0 and out.startswith("deleted 0 runs")

@@ -23,6 +23,7 @@ from studio.store.schema import (
     head_revision,
     upgrade_schema,
 )
+from studio.store.search import FTS_TABLE, SEARCH_OBJECTS, search_index_present
 
 pytest_plugins = ["conftest_store"]
 
@@ -128,13 +129,66 @@ def _check_after_0002(connection: Connection) -> None:
     assert connection.execute(text("SELECT sha256 FROM outputs")).scalar() == "b" * 64
 
 
+def _added_0003(connection: Connection) -> None:
+    indexes = {i["name"] for i in inspect(connection).get_indexes("runs")}
+    composite = {f"ix_runs_{c}_created" for c in ("status", "model", "source", "fingerprint", "config_hash")}
+    assert composite | {"ix_runs_created_at_id"} <= indexes
+    assert not {"ix_runs_status", "ix_runs_model", "ix_runs_created_at"} & indexes
+    assert search_index_present(connection)
+
+
+def _removed_0003(connection: Connection) -> None:
+    indexes = {i["name"] for i in inspect(connection).get_indexes("runs")}
+    assert {"ix_runs_status", "ix_runs_created_at"} <= indexes and "ix_runs_created_at_id" not in indexes
+    assert not search_index_present(connection)
+    assert FTS_TABLE not in set(inspect(connection).get_table_names())
+
+
+def _populate_before_0003(connection: Connection) -> None:
+    _populate_before_0002(connection)
+    connection.execute(text("UPDATE runs SET prompt = 'a Fox in 100% snow' WHERE id = 'r2'"))
+
+
+def _fts_ids(connection: Connection, phrase: str) -> set[str]:
+    rows = connection.execute(
+        text(
+            f"SELECT id FROM runs WHERE rowid IN (SELECT rowid FROM {FTS_TABLE} WHERE {FTS_TABLE} MATCH :q)"
+        ),
+        {"q": f'"{phrase}"'},
+    )
+    return {r[0] for r in rows}
+
+
+def _check_after_0003(connection: Connection) -> None:
+    rows = connection.execute(text("SELECT id, prompt FROM runs ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [("r1", "a fox"), ("r2", "a Fox in 100% snow")]
+    if connection.dialect.name == "sqlite":
+        # The runs recorded before the migration are indexed, and the triggers keep it in sync.
+        assert _fts_ids(connection, "fox") == {"r1", "r2"}
+        assert _fts_ids(connection, "0% s") == {"r2"}
+        connection.execute(text("UPDATE runs SET prompt = 'an owl' WHERE id = 'r1'"))
+        connection.execute(text("DELETE FROM runs WHERE id = 'r2'"))
+        assert _fts_ids(connection, "fox") == set()
+        assert _fts_ids(connection, "owl") == {"r1"}
+    else:
+        # The trigram index serves a substring ILIKE (the planner is told to avoid a scan of 2 rows).
+        connection.execute(text("SET LOCAL enable_seqscan = off"))
+        plan = " ".join(
+            r[0]
+            for r in connection.execute(text("EXPLAIN SELECT id FROM runs WHERE prompt ILIKE '%fox in%'"))
+        )
+        assert "ix_runs_prompt_trgm" in plan, plan
+
+
 ADDED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_added_0001, _removed_0001),
     "0002": (_added_0002, _removed_0002),
+    "0003": (_added_0003, _removed_0003),
 }
 POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_populate_before_0001, _check_after_0001),
     "0002": (_populate_before_0002, _check_after_0002),
+    "0003": (_populate_before_0003, _check_after_0003),
 }
 
 
@@ -185,7 +239,11 @@ def test_migration_on_populated_database(engine: Engine, revision: str) -> None:
 def test_models_match_the_migrated_schema(engine: Engine) -> None:
     upgrade_schema(engine)
     with engine.connect() as connection:
-        diffs = compare_metadata(MigrationContext.configure(connection), Base.metadata)
+        # The search index (FTS5 tables, the pg_trgm index) exists on one backend only: not in the models.
+        context = MigrationContext.configure(
+            connection, opts={"include_name": lambda name, *_: name not in SEARCH_OBJECTS}
+        )
+        diffs = compare_metadata(context, Base.metadata)
     assert diffs == []
 
 

@@ -213,3 +213,24 @@ def test_compare_shows_the_parameter_diff(page, studio):
     page.wait_for_function("document.querySelector('#omni-h-diff').innerText.includes('seed')")
     diff = page.inner_text("#omni-h-diff")
     assert "parameters" in diff and "5" in diff and "6" in diff
+
+
+def test_history_loads_more_runs_after_the_first_page(page, studio):
+    from studio.store import open_store
+
+    tag = f"many {uuid.uuid4().hex[:8]}"
+    with open_store(None, studio.data_dir) as store:  # the studio's own SQLite file, shared (WAL)
+        for i in range(57):
+            run_id = store.create_run(
+                source="api", prompt=f"{tag} #{i}", model="tiny-glm-image", request={}, parameters={}
+            )
+            store.finish_run(run_id, "succeeded")
+    open_tab(page, "History")
+    page.fill("#omni-h-search textarea, #omni-h-search input", tag)
+    page.click("#omni-h-find")
+    page.wait_for_function(
+        "document.querySelector('#omni-h-count').innerText.includes('57 run(s) match; showing 50')"
+    )
+    page.click("#omni-h-more")
+    page.wait_for_function("document.querySelector('#omni-h-count').innerText.includes('showing 57')")
+    assert not page.locator("#omni-h-more").is_visible()  # that was the last page

@@ -8,7 +8,16 @@ from typing import Any
 
 from studio.store.errors import AmbiguousRunId, BundleError, RunNotFound, StoreError
 from studio.store.models import ACTIVE_STATUSES, OUTPUT_KINDS, RUN_SOURCES, RUN_STATUSES
-from studio.store.records import ImportResult, OutputRecord, RunDetail, RunFilter, RunSummary, StageRecord
+from studio.store.records import (
+    ImportResult,
+    OutputRecord,
+    RunCount,
+    RunDetail,
+    RunFilter,
+    RunPage,
+    RunSummary,
+    StageRecord,
+)
 from studio.store.store import RunStore, open_store
 
 __all__ = [
@@ -20,9 +29,11 @@ __all__ = [
     "BundleError",
     "ImportResult",
     "OutputRecord",
+    "RunCount",
     "RunDetail",
     "RunFilter",
     "RunNotFound",
+    "RunPage",
     "RunRecorder",
     "RunStore",
     "RunSummary",

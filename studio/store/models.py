@@ -77,20 +77,29 @@ class Run(Base):
     """One request from the UI, the API or the CLI, whatever its outcome."""
 
     __tablename__ = "runs"
+    # The History list reads newest first, optionally narrowed by one of these columns; each index
+    # gives the rows in that order (no sort) and continues from a keyset cursor (created_at, id).
+    __table_args__ = (
+        Index("ix_runs_created_at_id", "created_at", "id"),
+        *(
+            Index(f"ix_runs_{column}_created", column, "created_at", "id")
+            for column in ("status", "model", "source", "fingerprint", "config_hash")
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)  # uuid4 hex, chosen by the caller
-    source: Mapped[str] = mapped_column(String(8), index=True)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    source: Mapped[str] = mapped_column(String(8))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
-    status: Mapped[str] = mapped_column(String(16), index=True)
+    status: Mapped[str] = mapped_column(String(16))
     prompt: Mapped[str] = mapped_column(Text)
-    model: Mapped[str] = mapped_column(String(255), index=True)
+    model: Mapped[str] = mapped_column(String(255))
     request: Mapped[dict[str, Any]]
     parameters: Mapped[dict[str, Any]]
     seed: Mapped[int | None] = mapped_column(BigInteger)
-    config_hash: Mapped[str | None] = mapped_column(ForeignKey("config_snapshots.hash"), index=True)
-    fingerprint: Mapped[str | None] = mapped_column(String(255), index=True)
+    config_hash: Mapped[str | None] = mapped_column(ForeignKey("config_snapshots.hash"))
+    fingerprint: Mapped[str | None] = mapped_column(String(255))
     error: Mapped[str | None] = mapped_column(Text)
     text: Mapped[str | None] = mapped_column(Text)
     input_tokens: Mapped[int | None]

@@ -160,6 +160,27 @@ class RunFilter:
 
 
 @dataclass(frozen=True)
+class RunCount:
+    """How many runs match: exact up to a cap, beyond it only "more than the cap" (counting stays fast)."""
+
+    value: int  # the exact count, or the cap when there are more
+    exact: bool
+
+    @property
+    def text(self) -> str:
+        """``"1,234"`` or ``"10,000+"``."""
+        return f"{self.value:,}" if self.exact else f"{self.value:,}+"
+
+
+@dataclass(frozen=True)
+class RunPage:
+    """One page of the history list and the cursor that continues it (``None``: this was the last page)."""
+
+    runs: list[RunSummary]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True)
 class ImportResult:
     """What :meth:`RunStore.import_bundle` did."""
 

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext, suppress
@@ -33,13 +34,16 @@ from sqlalchemy import (
     delete,
     event,
     func,
+    literal_column,
     select,
+    text,
+    tuple_,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, joinedload, selectinload
 
-from studio.store import bundle, journal
+from studio.store import bundle, journal, search
 from studio.store.errors import AmbiguousRunId, RunNotFound, StoreError
 from studio.store.files import OutputFiles
 from studio.store.models import (
@@ -57,8 +61,10 @@ from studio.store.models import (
 from studio.store.records import (
     ImportResult,
     OutputRecord,
+    RunCount,
     RunDetail,
     RunFilter,
+    RunPage,
     RunSummary,
     StageRecord,
     as_datetime,
@@ -79,6 +85,11 @@ INTERRUPTED_ERROR = (
 )
 _runs, _stages, _outputs = table_of(Run), table_of(RunStage), table_of(Output)
 _snapshots = table_of(ConfigSnapshot)
+COUNT_CAP = 10_000  # counts beyond this read "10,000+": counting every match would walk them all
+# A prompt search whose FTS candidates exceed this is common enough that reading newest first (through
+# the other filters' indexes) finds a page sooner than fetching and sorting every candidate.
+FTS_DRIVE_LIMIT = 30_000
+_IN_CHUNK = 500  # ids per IN (...) list (bound-parameter limits of SQLite and PostgreSQL)
 _MARK_RUNNING = (
     _runs.update()
     .where(_runs.c.id == bindparam("p_id"), _runs.c.status == "queued")
@@ -175,6 +186,7 @@ class RunStore:
         self._owner_lock: Connection | None = None
         self._closed = False
         self._upsert_snapshot_statement = self._snapshot_insert()
+        self.search_indexed = False  # whether the prompt search index exists (set at open)
 
     # opening and closing ---------------------------------------------------------------------------
 
@@ -191,6 +203,7 @@ class RunStore:
         store = cls(engine, data_dir)
         try:
             upgrade_schema(engine)
+            store._check_search_index()
             store._claim_owner()
             # Writes an earlier process could not make (database down) are made now, before serving;
             # runs they leave unfinished are then interrupted like any other orphan.
@@ -219,6 +232,15 @@ class RunStore:
             self._owner_lock = self.engine.connect()
             self._owner_lock.exec_driver_sql(f"SELECT pg_advisory_lock({_advisory_key(self.owner)})")
             self._owner_lock.commit()
+
+    def _check_search_index(self) -> None:
+        with self.engine.connect() as connection:
+            present = search.search_index_present(connection)
+            connection.commit()
+        if not present:  # built by the migration, unless FTS5/pg_trgm was missing or a rebuild dropped it
+            with self._write() as connection:
+                present = search.ensure_search_index(connection)
+        self.search_indexed = present
 
     def close(self) -> None:
         """Release the owner claim and the connections. Runs still active stay as they are."""
@@ -677,7 +699,9 @@ class RunStore:
         """Every matching run, oldest first, loaded with stages, outputs and snapshot (for export)."""
         with self._read() as session:
             ids = list(
-                session.scalars(self._filtered(select(Run.id), filter).order_by(Run.created_at, Run.id))
+                session.scalars(
+                    self._filtered(select(Run.id), filter, session).order_by(Run.created_at, Run.id)
+                )
             )
         for start in range(0, len(ids), chunk):
             with self._read() as session:
@@ -702,14 +726,47 @@ class RunStore:
             )
         return ids[0]
 
-    @staticmethod
-    def _filtered(statement: Any, flt: RunFilter | None) -> Any:
+    def _search_condition(self, connection: Connection | Session, term: str) -> list[ColumnElement[bool]]:
+        """The prompt-search conditions: the plain substring test, plus the index as a candidate filter.
+
+        The substring test alone decides (the index only narrows which rows it sees), so an indexed search
+        answers exactly what a scan answers. On SQLite the FTS candidates drive the query only when there
+        are few of them: a common term is found sooner newest first, through the other filters' indexes.
+        """
+        # Stored text has unstorable characters escaped (records.storable); so has the search term.
+        term = storable(term)
+        if len(term) < search.MIN_INDEXED_TERM:
+            # Below a trigram: the index could only be read whole. `prompt || ''` keeps the PostgreSQL
+            # planner off it; filters' indexes (or a newest-first scan stopping at the page) serve instead.
+            return [(Run.prompt + "").icontains(term, autoescape=True)]
+        conditions: list[ColumnElement[bool]] = [Run.prompt.icontains(term, autoescape=True)]
+        if self.dialect != "sqlite" or not self.search_indexed:
+            return conditions  # PostgreSQL: the trigram index serves the ILIKE itself
+        phrase = '"' + term.replace('"', '""') + '"'
+        candidates = connection.execute(
+            text(
+                f"SELECT count(*) FROM (SELECT 1 FROM {search.FTS_TABLE} "
+                f"WHERE {search.FTS_TABLE} MATCH :phrase LIMIT :cap)"
+            ),
+            {"phrase": phrase, "cap": FTS_DRIVE_LIMIT + 1},
+        ).scalar()
+        if (candidates or 0) <= FTS_DRIVE_LIMIT:
+            conditions.append(
+                literal_column("runs.rowid").in_(
+                    text(
+                        f"SELECT rowid FROM {search.FTS_TABLE} WHERE {search.FTS_TABLE} MATCH :phrase"
+                    ).bindparams(phrase=phrase)
+                )
+            )
+        return conditions
+
+    def _filtered(self, statement: Any, flt: RunFilter | None, connection: Connection | Session) -> Any:
         if flt is None:
             return statement
-        conditions = []
-        if flt.search:
-            # Stored text has unstorable characters escaped (records.storable); so has the search term.
-            conditions.append(Run.prompt.icontains(storable(flt.search), autoescape=True))
+        conditions: list[ColumnElement[bool]] = []
+        # SQLite plans without value statistics, and a status is a poor narrower (most runs succeed): with
+        # a model, fingerprint or config filter, `status || ''` leaves that filter's index to drive.
+        narrower = bool(flt.model or flt.fingerprint or flt.config_hash)
         for column, value, allowed in (
             (Run.status, flt.status, RUN_STATUSES),
             (Run.source, flt.source, RUN_SOURCES),
@@ -720,23 +777,52 @@ class RunStore:
             unknown = [v for v in values if v not in allowed]
             if unknown:
                 raise ValueError(f"unknown {column.key} {unknown[0]!r}; one of: {', '.join(allowed)}")
-            conditions.append(column.in_(values))
+            if column is Run.status and narrower and self.dialect == "sqlite":
+                conditions.append((Run.status + "").in_(values))
+            else:
+                conditions.append(column.in_(values))
         if flt.model:
             conditions.append(Run.model == storable(flt.model))
         if flt.fingerprint:
             conditions.append(Run.fingerprint == storable(flt.fingerprint))
         if flt.config_hash:
-            conditions.append(Run.config_hash.startswith(flt.config_hash.lower(), autoescape=True))
+            # Every config_hash of a run is a snapshot's hash (foreign key): finding the few full hashes
+            # with this prefix among the snapshots lets the (config_hash, created_at) index serve.
+            prefix = Run.config_hash.in_(
+                select(ConfigSnapshot.hash).where(
+                    ConfigSnapshot.hash.startswith(flt.config_hash.lower(), autoescape=True)
+                )
+            )
+            conditions.append(prefix)
         if flt.since is not None:
             conditions.append(Run.created_at >= as_datetime(flt.since))
         if flt.until is not None:
             conditions.append(Run.created_at <= as_datetime(flt.until))
+        if flt.search:  # last: the substring test is the costliest per row
+            conditions.extend(self._search_condition(connection, flt.search))
         return statement.where(*conditions) if conditions else statement
 
+    @staticmethod
+    def _cursor_of(run: RunSummary) -> str:
+        return f"{run.created_at.isoformat()}|{run.id}"
+
+    @staticmethod
+    def _parse_cursor(cursor: str) -> tuple[datetime, str]:
+        stamp, sep, run_id = cursor.rpartition("|")
+        parsed = as_datetime(datetime.fromisoformat(stamp)) if sep else None
+        if parsed is None or not run_id:
+            raise ValueError(f"not a history cursor: {cursor!r}")
+        return parsed, run_id
+
     def list_runs(
-        self, filter: RunFilter | None = None, limit: int = 50, offset: int = 0
+        self,
+        filter: RunFilter | None = None,
+        limit: int = 50,
+        offset: int = 0,
+        after: str | None = None,
     ) -> list[RunSummary]:
-        """Runs matching ``filter``, newest first, ``limit`` from ``offset`` (for paging)."""
+        """Runs matching ``filter``, newest first: ``limit`` of them after the cursor ``after`` (see
+        :meth:`list_page`) or, for small histories, from ``offset``."""
         columns = (
             Run.id,
             Run.source,
@@ -751,13 +837,15 @@ class RunStore:
             Run.config_hash,
             Run.error,
         )
-        statement = self._filtered(select(*columns), filter)
-        statement = (
-            statement.order_by(Run.created_at.desc(), Run.id.desc())
-            .limit(max(0, limit))
-            .offset(max(0, offset))
-        )
         with self._read() as session:
+            statement = self._filtered(select(*columns), filter, session)
+            if after:
+                created, run_id = self._parse_cursor(after)
+                # Keyset pagination: continue strictly after the last row shown, in the index's order.
+                statement = statement.where(tuple_(Run.created_at, Run.id) < tuple_(created, run_id))
+            statement = statement.order_by(Run.created_at.desc(), Run.id.desc()).limit(max(0, limit))
+            if offset:
+                statement = statement.offset(max(0, offset))
             rows = session.execute(statement).all()
             ids = [row.id for row in rows]
             counts: dict[str, int] = {}
@@ -779,10 +867,31 @@ class RunStore:
             for row in rows
         ]
 
+    def list_page(
+        self, filter: RunFilter | None = None, limit: int = 50, cursor: str | None = None
+    ) -> RunPage:
+        """One page of the history, newest first, and the cursor of the next (``None`` after the last).
+
+        Keyset pagination: each page costs the same however deep it is (OFFSET would read every row
+        before it). Runs recorded meanwhile do not shift later pages.
+        """
+        runs = self.list_runs(filter, limit=limit + 1, after=cursor)
+        more = len(runs) > limit
+        runs = runs[:limit]
+        return RunPage(runs, self._cursor_of(runs[-1]) if more and runs else None)
+
     def count_runs(self, filter: RunFilter | None = None) -> int:
-        """How many runs match ``filter`` (for paging)."""
+        """How many runs match ``filter``, exactly (walks every match; the History tab uses
+        :meth:`count_matching`)."""
         with self._read() as session:
-            return int(session.scalar(self._filtered(select(func.count(Run.id)), filter)) or 0)
+            return int(session.scalar(self._filtered(select(func.count(Run.id)), filter, session)) or 0)
+
+    def count_matching(self, filter: RunFilter | None = None, cap: int = COUNT_CAP) -> RunCount:
+        """How many runs match ``filter``: exact up to ``cap``; beyond it ``RunCount(cap, exact=False)``."""
+        with self._read() as session:
+            matches = self._filtered(select(Run.id), filter, session).limit(cap + 1).subquery()
+            found = int(session.scalar(select(func.count()).select_from(matches)) or 0)
+        return RunCount(cap, False) if found > cap else RunCount(found, True)
 
     def diff_runs(self, a: str, b: str) -> dict[str, dict[str, tuple[Any, Any]]]:
         """What differs between two runs: ``{"run": ..., "parameters": ..., "config": ...}``.
@@ -820,8 +929,8 @@ class RunStore:
     def _delete_ids(self, ids: Sequence[str]) -> int:
         deleted = 0
         shas: set[str] = set()
-        for start in range(0, len(ids), 500):
-            chunk = ids[start : start + 500]
+        for start in range(0, len(ids), _IN_CHUNK):
+            chunk = ids[start : start + _IN_CHUNK]
             with self._write() as connection:
                 shas.update(connection.scalars(select(_outputs.c.sha256).where(_outputs.c.run_id.in_(chunk))))
                 # Stages and outputs go with their run (ON DELETE CASCADE).
@@ -831,10 +940,11 @@ class RunStore:
 
     def _remove_unreferenced(self, shas: Iterable[str]) -> None:
         shas = list(shas)
-        if not shas:
-            return
+        used: set[str] = set()
         with self._read() as session:
-            used = set(session.scalars(select(Output.sha256).where(Output.sha256.in_(shas)).distinct()))
+            for start in range(0, len(shas), _IN_CHUNK):
+                chunk = shas[start : start + _IN_CHUNK]
+                used.update(session.scalars(select(Output.sha256).where(Output.sha256.in_(chunk)).distinct()))
         for sha in shas:
             if sha in used:
                 continue
@@ -858,6 +968,108 @@ class RunStore:
                 )
             )
         return self._delete_ids(ids)
+
+    def delete_runs(
+        self, filter: RunFilter | None = None, older_than_days: float | None = None, dry_run: bool = False
+    ) -> int:
+        """Delete the finished runs matching ``filter`` (and created more than ``older_than_days`` ago),
+        with their stages, outputs and the files no remaining run uses; returns how many.
+
+        Runs still queued or running are never deleted. ``filter`` None (or empty) with no age matches
+        every finished run. ``dry_run``: only count them.
+        """
+        with self._read() as session:
+            statement = self._filtered(select(Run.id), filter, session).where(
+                Run.status.not_in(ACTIVE_STATUSES)
+            )
+            if older_than_days is not None:
+                statement = statement.where(Run.created_at < utcnow() - timedelta(days=older_than_days))
+            ids = list(session.scalars(statement))
+        return len(ids) if dry_run else self._delete_ids(ids)
+
+    def prune_files(self, min_age_seconds: float = 3600.0) -> tuple[int, int]:
+        """Remove output files that no run references (left by a crash or an interrupted delete).
+
+        Only files older than ``min_age_seconds`` go: a file is written just before its run's output row
+        (possibly by another process), so a new file without a row yet is not an orphan. Returns
+        ``(files removed, bytes freed)``.
+        """
+        if not self.files.root.is_dir():
+            return 0, 0
+        cutoff = time.time() - min_age_seconds
+        candidates: dict[str, list[Path]] = {}
+        for path in self.files.root.glob("??/*"):
+            if path.name.startswith(".") or not path.is_file():
+                continue  # a write in progress (tempfile) or something that is not ours
+            with suppress(OSError):
+                if path.stat().st_mtime < cutoff:
+                    candidates.setdefault(path.name.split(".", 1)[0], []).append(path)
+        shas = list(candidates)
+        used: set[str] = set()
+        with self._read() as session:
+            for start in range(0, len(shas), _IN_CHUNK):
+                chunk = shas[start : start + _IN_CHUNK]
+                used.update(session.scalars(select(Output.sha256).where(Output.sha256.in_(chunk)).distinct()))
+        removed = freed = 0
+        for sha, paths in candidates.items():
+            if sha in used:
+                continue
+            for path in paths:
+                with suppress(OSError):
+                    size = path.stat().st_size
+                    path.unlink()
+                    removed, freed = removed + 1, freed + size
+        return removed, freed
+
+    def database_bytes(self) -> int | None:
+        """The size of the database (SQLite file with its WAL; PostgreSQL: the store's tables and indexes)."""
+        if self.dialect == "sqlite":
+            path = self.engine.url.database
+            if not path or path == ":memory:":
+                return None
+            return sum(
+                Path(f"{path}{suffix}").stat().st_size
+                for suffix in ("", "-wal")
+                if Path(f"{path}{suffix}").exists()
+            )
+        if self.dialect == "postgresql":
+            with self.engine.connect() as connection:
+                total = connection.exec_driver_sql(
+                    "SELECT sum(pg_total_relation_size(to_regclass(t))) FROM unnest(ARRAY['runs', "
+                    "'run_stages', 'outputs', 'config_snapshots']) AS t"
+                ).scalar()
+            return int(total or 0)
+        return None
+
+    def maintain(self, vacuum: bool = False) -> None:
+        """Refresh the planner's statistics and tidy the search index; with ``vacuum``, also give the
+        space of deleted rows back to the file system (SQLite rewrites the whole file: minutes at a
+        million runs, and it needs that much free disk; PostgreSQL's VACUUM FULL locks the tables).
+
+        SQLite: ``ANALYZE`` (PRAGMA optimize) and an FTS ``optimize`` (merges its segments), then
+        ``VACUUM``. PostgreSQL: ``VACUUM (ANALYZE)`` of the store's tables, ``VACUUM FULL`` with ``vacuum``.
+        """
+        if self.dialect == "sqlite":
+            with self._write() as connection:
+                connection.exec_driver_sql("ANALYZE")
+                if self.search_indexed:
+                    connection.exec_driver_sql(
+                        f"INSERT INTO {search.FTS_TABLE}({search.FTS_TABLE}) VALUES ('optimize')"
+                    )
+            if vacuum:
+                with self._write_lock, self.engine.connect() as connection:
+                    driver = connection.connection.driver_connection
+                    assert driver is not None
+                    driver.execute("VACUUM")  # outside a transaction: on the DBAPI connection itself
+            with self.engine.connect() as connection:
+                # Fold the write-ahead log back into the file (it grows with a big transaction).
+                connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                connection.commit()
+            return
+        if self.dialect == "postgresql":
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+                for table in ("runs", "run_stages", "outputs", "config_snapshots"):
+                    connection.exec_driver_sql(f"VACUUM ({'FULL, ' if vacuum else ''}ANALYZE) {table}")
 
     # bundles --------------------------------------------------------------------------------------
 

@@ -137,3 +137,29 @@ def format_run_detail(run: RunDetail) -> str:
         lines.append("text")
         lines += ["  " + line for line in run.text.splitlines()]
     return "\n".join(lines)
+
+
+def prune_history(store: Any, args: Any) -> str:
+    """``history prune``: delete the finished runs the flags select, then orphaned files; what was done.
+
+    ``args`` has ``older_than`` (days), ``status``, ``search``, ``model``, ``all``, ``dry_run``, ``vacuum``.
+    Raises ``ValueError`` when nothing selects the runs (no filter and no ``--all``).
+    """
+    from studio.store.records import RunFilter
+
+    selection = RunFilter(search=args.search, status=args.status, model=args.model)
+    if args.older_than is None and selection == RunFilter() and not args.all:
+        raise ValueError("history prune deletes runs: give a filter (--older-than, --status, ...) or --all")
+    if args.dry_run:
+        count = store.delete_runs(selection, older_than_days=args.older_than, dry_run=True)
+        return f"would delete {count} run{'s' if count != 1 else ''} (dry run: nothing deleted)"
+    deleted = store.delete_runs(selection, older_than_days=args.older_than)
+    files, freed = store.prune_files()
+    lines = [f"deleted {deleted} run{'s' if deleted != 1 else ''}"]
+    if files:
+        lines.append(f"removed {files} orphaned output file{'s' if files != 1 else ''} ({size(freed)})")
+    store.maintain(vacuum=args.vacuum)
+    if args.vacuum:
+        bytes_now = store.database_bytes()
+        lines.append("vacuumed" + (f": the database is now {size(bytes_now)}" if bytes_now else ""))
+    return "; ".join(lines)

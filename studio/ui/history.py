@@ -132,8 +132,9 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         since = gr.Textbox(label="From (YYYY-MM-DD)", scale=1)
         until = gr.Textbox(label="To (YYYY-MM-DD)", scale=1)
         find = gr.Button("Search", variant="primary", scale=1, elem_id="omni-h-find")
-    count = gr.Markdown("")
+    count = gr.Markdown("", elem_id="omni-h-count")
     table = gr.Dataframe(rows_of([]), interactive=False, wrap=True, max_height=320, elem_id="omni-h-table")
+    more = gr.Button("Load more", visible=False, size="sm", elem_id="omni-h-more")
     gallery = gr.Gallery(
         label="Images of these runs",
         columns=10,
@@ -181,11 +182,10 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
 
     filters = [search, status, model, fingerprint, config_hash, since, until]
     ids_state = gr.State([])
+    # What "Load more" continues: the filter as searched, the runs and thumbnails shown, the keyset cursor.
+    page_state = gr.State(None)
 
-    def do_search(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v):
-        flt = run_filter(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v)
-        runs = store.list_runs(flt, limit=PAGE_SIZE)
-        total = store.count_runs(flt)
+    def thumbnails(runs: list[Any]) -> list[tuple[str, str]]:
         images = []
         for r in runs:
             if r.thumbnail_sha256:
@@ -193,16 +193,52 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
                     images.append(
                         (str(store.output_file(r.thumbnail_sha256)), f"{r.id[:8]} · {r.prompt[:30]}")
                     )
+        return images
+
+    def count_text(total: Any, shown: int) -> str:
+        if total.exact:
+            return f"{total.value:,} run(s) match; showing {shown:,}."
+        return (
+            f"{total.text} runs match (counted up to {total.value:,}; narrow the filters for an exact "
+            f"count); showing {shown:,}."
+        )
+
+    def do_search(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v):
+        flt = run_filter(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v)
+        page = store.list_page(flt, limit=PAGE_SIZE)
+        total = store.count_matching(flt)
+        runs, images = page.runs, thumbnails(page.runs)
         models = sorted({"any", studio.serving.served_model_name, *(r.model for r in runs)})
         return (
             rows_of(runs),
             images,
-            f"{total} run(s) match; showing {len(runs)}.",
+            count_text(total, len(runs)),
             [r.id for r in runs],
             gr.update(choices=models),
+            {"filter": flt, "runs": runs, "images": images, "cursor": page.next_cursor, "total": total},
+            gr.update(visible=page.next_cursor is not None),
         )
 
-    search_outputs = [table, gallery, count, ids_state, model]
+    def load_more(state: dict[str, Any] | None):
+        if not state or not state.get("cursor"):
+            return [gr.skip()] * 6
+        page = store.list_page(state["filter"], limit=PAGE_SIZE, cursor=state["cursor"])
+        runs = [*state["runs"], *page.runs]
+        images = [*state["images"], *thumbnails(page.runs)]
+        state = {**state, "runs": runs, "images": images, "cursor": page.next_cursor}
+        return (
+            rows_of(runs),
+            images,
+            count_text(state["total"], len(runs)),
+            [r.id for r in runs],
+            state,
+            gr.update(visible=page.next_cursor is not None),
+        )
+
+    search_outputs = [table, gallery, count, ids_state, model, page_state, more]
+    more.click(
+        load_more, [page_state], [table, gallery, count, ids_state, page_state, more], api_name="history_more"
+    )
     find.click(do_search, filters, search_outputs, api_name="history_search")
     search.submit(do_search, filters, search_outputs, api_visibility="private")
 
