@@ -7,15 +7,22 @@ import re
 
 import httpx
 import pytest
+import yaml
 
+from tests.conftest import tiny_deploy
 from tests.servers import running_server
 from tests.test_abort import drop, long_chat, long_image, metric, send_raw, wait_for
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    args = ["serve", "--model", "tiny-glm-image", "--max-in-flight-per-client", "2", "--max-queue", "3"]
-    with running_server(args, tmp_path_factory.mktemp("fairness")) as live:
+    # One AR slot, so later requests wait in stage 0's queue (with more they join the running decode).
+    data_dir = tmp_path_factory.mktemp("fairness")
+    deploy_path = data_dir / "deploy.yaml"
+    deploy_path.write_text(yaml.safe_dump(tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 1})))
+    args = ["serve", "--model", "tiny-glm-image", "--deploy-config", str(deploy_path)]
+    args += ["--max-in-flight-per-client", "2", "--max-queue", "3"]
+    with running_server(args, data_dir) as live:
         yield live
 
 
