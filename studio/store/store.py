@@ -86,8 +86,9 @@ INTERRUPTED_ERROR = (
 _runs, _stages, _outputs = table_of(Run), table_of(RunStage), table_of(Output)
 _snapshots = table_of(ConfigSnapshot)
 COUNT_CAP = 10_000  # counts beyond this read "10,000+": counting every match would walk them all
-# A prompt search whose FTS candidates exceed this is common enough that reading newest first (through
-# the other filters' indexes) finds a page sooner than fetching and sorting every candidate.
+# A prompt search whose index candidates (SQLite: counted in FTS; PostgreSQL: the planner's estimate)
+# exceed this is common enough that reading newest first (through the other filters' indexes) finds a
+# page sooner than fetching and sorting every candidate.
 FTS_DRIVE_LIMIT = 30_000
 _IN_CHUNK = 500  # ids per IN (...) list (bound-parameter limits of SQLite and PostgreSQL)
 _MARK_RUNNING = (
@@ -740,8 +741,23 @@ class RunStore:
             # planner off it; filters' indexes (or a newest-first scan stopping at the page) serve instead.
             return [(Run.prompt + "").icontains(term, autoescape=True)]
         conditions: list[ColumnElement[bool]] = [Run.prompt.icontains(term, autoescape=True)]
-        if self.dialect != "sqlite" or not self.search_indexed:
-            return conditions  # PostgreSQL: the trigram index serves the ILIKE itself
+        if not self.search_indexed:
+            return conditions
+        if self.dialect == "postgresql":
+            # The trigram index serves the ILIKE itself. For a term in many prompts the planner still
+            # ANDs the index in (reading every match from it) where the other filters' indexes alone
+            # are cheaper; its own row estimate says which case this is.
+            pattern = "%" + term.replace("/", "//").replace("%", "/%").replace("_", "/_") + "%"
+            plan = connection.execute(
+                text("EXPLAIN (FORMAT JSON) SELECT 1 FROM runs WHERE prompt ILIKE :pattern ESCAPE '/'"),
+                {"pattern": pattern},
+            ).scalar()
+            estimate = plan[0]["Plan"]["Plan Rows"] if isinstance(plan, list) and plan else 0
+            if estimate > FTS_DRIVE_LIMIT:
+                return [(Run.prompt + "").icontains(term, autoescape=True)]
+            return conditions
+        if self.dialect != "sqlite":
+            return conditions
         phrase = '"' + term.replace('"', '""') + '"'
         candidates = connection.execute(
             text(
