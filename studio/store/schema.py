@@ -68,26 +68,7 @@ def create_store_engine(url: str) -> Engine:
         engine = create_engine(parsed, **kwargs)
         _install_sqlite_hooks(engine)
         return engine
-    engine = create_engine(parsed, pool_pre_ping=True)
-    if parsed.get_backend_name() == "postgresql":
-        _install_postgresql_hooks(engine)
-    return engine
-
-
-def _install_postgresql_hooks(engine: Engine) -> None:
-    """Plan every statement with its values.
-
-    psycopg prepares a statement once it has run a few times, and the server then may switch to a
-    generic plan that cannot see the search pattern or the dates: the History query would read the
-    trigram index for any pattern (or none) and get several times slower. Planning these statements
-    costs a fraction of a millisecond.
-    """
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        with dbapi_connection.cursor() as cursor:
-            cursor.execute("SET plan_cache_mode = force_custom_plan")
-        dbapi_connection.commit()
+    return create_engine(parsed, pool_pre_ping=True)
 
 
 def alembic_config(connection: Connection | None = None) -> Any:

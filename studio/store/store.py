@@ -307,6 +307,12 @@ class RunStore:
     @contextmanager
     def _read(self) -> Iterator[Session]:
         with Session(self.engine) as session, session.begin():
+            if self.dialect == "postgresql":
+                # Plan reads with their values: psycopg prepares a statement once it has run a few
+                # times, and the server may then switch to a generic plan that cannot see the search
+                # pattern or the dates (the History query read the whole trigram index: 4x slower at
+                # 1M runs). Writes keep their cached plans.
+                session.execute(text("SET LOCAL plan_cache_mode = force_custom_plan"))
             yield session
 
     # orphaned runs --------------------------------------------------------------------------------
