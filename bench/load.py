@@ -39,7 +39,9 @@ MALFORMED = [
 ]
 
 
-def one_request(client: httpx.Client, index: int, rng: random.Random, malformed_share: float) -> dict:
+def one_request(
+    client: httpx.Client, index: int, rng: random.Random, malformed_share: float, clients: int
+) -> dict:
     started = time.perf_counter()
     malformed = rng.random() < malformed_share
     stream = not malformed and rng.random() < 0.5
@@ -47,7 +49,8 @@ def one_request(client: httpx.Client, index: int, rng: random.Random, malformed_
         body = rng.choice(MALFORMED)
     else:
         body = json.dumps({**GOOD, "seed": index, "stream": stream}).encode()
-    headers = {"content-type": "application/json"}
+    # One client each (the server's per-client in-flight limit keys on the bearer token it is sent).
+    headers = {"content-type": "application/json", "authorization": f"Bearer load-client-{index % clients}"}
     run_id = None
     server_error = False
     with client.stream("POST", "/v1/chat/completions", content=body, headers=headers) as response:
@@ -90,7 +93,10 @@ def main() -> None:
         with ThreadPoolExecutor(args.concurrency) as pool:
             seeds = [random.Random(rng.random()) for _ in range(args.requests)]
             results = list(
-                pool.map(lambda i: one_request(client, i, seeds[i], args.malformed), range(args.requests))
+                pool.map(
+                    lambda i: one_request(client, i, seeds[i], args.malformed, args.concurrency),
+                    range(args.requests),
+                )
             )
         wall = time.perf_counter() - started
         healthy = client.get("/health").status_code == 200

@@ -79,10 +79,12 @@ def main() -> None:
             for level in order:
                 count = level * args.per_client
 
-                def one(i: int) -> tuple[float, bool]:
+                def one(i: int, level: int = level) -> tuple[float, bool]:
                     index = i % len(PROMPTS)
                     started = time.perf_counter()
-                    response = client.post("/v1/chat/completions", json=request_body(index))
+                    # One bearer token per client: the server's per-client in-flight limit keys on it.
+                    headers = {"authorization": f"Bearer throughput-client-{i % level}"}
+                    response = client.post("/v1/chat/completions", json=request_body(index), headers=headers)
                     response.raise_for_status()
                     return time.perf_counter() - started, png_of(response) == alone[index]
 
