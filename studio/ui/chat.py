@@ -225,7 +225,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             yield history, gr.skip(), render_progress({}), gr.skip(), None, gr.skip(), "Type a prompt first."
             return
         try:
-            request = build_request(
+            engine_request = build_request(
                 studio,
                 message_value,
                 history,
@@ -240,7 +240,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                 modalities_v,
                 preview_every_v,
             )
-            resolved = studio.resolve(request)
+            resolved = studio.resolve(engine_request)
         except RequestError as exc:
             history += [
                 {"role": "user", "content": user_content},
