@@ -240,28 +240,12 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class ImageEditForm(BaseModel):
+class ImageEditForm(ImageGenerationRequest):
     """``POST /v1/images/edits`` (multipart/form-data): the image file and the generation fields."""
 
     image: bytes = Field(
         json_schema_extra={"format": "binary"}, description="the source image (PNG, JPEG, ...)"
     )
-    prompt: str = Field(min_length=1)
-    model: str | None = None
-    n: int = Field(1, ge=1, le=8)
-    size: str | None = None
-    response_format: Literal["b64_json", "url"] = "b64_json"
-    output_format: Literal["png"] | None = None
-    quality: Literal["auto", "standard"] | None = None
-    user: str | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    num_inference_steps: int | None = Field(None, ge=1, le=1000)
-    guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
-    negative_prompt: str | None = None
-    height: int | None = Field(None, ge=16, le=4096)
-    width: int | None = Field(None, ge=16, le=4096)
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class ImageURLOut(BaseModel):

@@ -381,13 +381,14 @@ class RunStore:
             return postgresql.insert(_snapshots).on_conflict_do_nothing()
         return None
 
-    def _upsert_snapshot(
+    def upsert_snapshot(
         self,
         connection: Connection,
         config_hash: str,
         body: Mapping[str, Any],
         created_at: datetime | None = None,
     ) -> None:
+        """Add a config snapshot unless one with this hash exists (inside ``connection``'s transaction)."""
         if config_hash in self._known_snapshots:
             return
         found = body.get("model")
@@ -449,7 +450,7 @@ class RunStore:
         }
         with self._write() as connection:
             if config is not None and config_hash is not None:  # the hash is computed above
-                self._upsert_snapshot(connection, config_hash, config)
+                self.upsert_snapshot(connection, config_hash, config)
             connection.execute(_runs.insert(), row)
         if config_hash is not None and config is not None:
             # Only once committed: a batch rolled back would otherwise leave us skipping a missing snapshot.
@@ -1124,16 +1125,6 @@ class RunStore:
         """A write transaction for bulk work inside the store package (bundle import)."""
         with self._write() as connection:
             yield connection
-
-    def upsert_snapshot(
-        self,
-        connection: Connection,
-        config_hash: str,
-        body: Mapping[str, Any],
-        created_at: datetime | None = None,
-    ) -> None:
-        """Add a config snapshot unless one with this hash exists (inside ``connection``'s transaction)."""
-        self._upsert_snapshot(connection, config_hash, body, created_at)
 
 
 def open_store(url: str | None, data_dir: Path) -> RunStore:
