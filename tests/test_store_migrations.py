@@ -180,15 +180,35 @@ def _check_after_0003(connection: Connection) -> None:
         assert "ix_runs_prompt_trgm" in plan, plan
 
 
+def _added_0004(connection: Connection) -> None:
+    assert "replay_of" in columns(connection, "runs")
+    assert "ix_runs_replay_of" in {i["name"] for i in inspect(connection).get_indexes("runs")}
+    assert search_index_present(connection)
+
+
+def _removed_0004(connection: Connection) -> None:
+    assert "replay_of" not in columns(connection, "runs")
+    # Dropping the column must not take the prompt-search index (0003's triggers) with it.
+    assert search_index_present(connection)
+
+
+def _check_after_0004(connection: Connection) -> None:
+    _check_after_0002(connection)
+    rows = connection.execute(text("SELECT id, replay_of FROM runs ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [("r1", None), ("r2", None)]
+
+
 ADDED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_added_0001, _removed_0001),
     "0002": (_added_0002, _removed_0002),
     "0003": (_added_0003, _removed_0003),
+    "0004": (_added_0004, _removed_0004),
 }
 POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_populate_before_0001, _check_after_0001),
     "0002": (_populate_before_0002, _check_after_0002),
     "0003": (_populate_before_0003, _check_after_0003),
+    "0004": (_populate_before_0002, _check_after_0004),
 }
 
 

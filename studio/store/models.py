@@ -107,6 +107,8 @@ class Run(Base):
     # The store instance (host, pid, start time, token) recording the run: a queued/running run whose
     # owner is gone was cut off by a crash and is marked interrupted; one whose owner lives is left alone.
     owner: Mapped[str | None] = mapped_column(String(160), index=True)
+    # The run this one replays (``omni-studio replay``, History's replay action); NULL for a fresh run.
+    replay_of: Mapped[str | None] = mapped_column(String(32), index=True)
 
     stages: Mapped[list[RunStage]] = relationship(
         back_populates="run",
