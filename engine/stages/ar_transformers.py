@@ -100,6 +100,10 @@ class FastDecoder(Protocol):
     batching never changes a request's tokens.
     """
 
+    # Intra-op threads for the decode thread (``torch.set_num_threads`` there, a per-thread setting), or
+    # None to keep the process's: tiny models decode faster on one (docs/batching.md).
+    threads: int | None
+
     def supports(self, model_inputs: dict[str, Any]) -> bool:
         """Whether these inputs can take the lean loop (else ``generate``)."""
 
@@ -249,6 +253,9 @@ class TransformersARStage(StageRunner):
         inbox = self._inbox
         assert inbox is not None
         rows: list[_Row] = []
+        decoder = self.fast_decoder()
+        if decoder is not None and decoder.threads is not None:
+            torch.set_num_threads(decoder.threads)  # this thread's OpenMP setting only
         with torch.inference_mode():
             while True:
                 arrivals: list[tuple[StageJob, JobDone] | None] = []
@@ -344,7 +351,7 @@ class TransformersARStage(StageRunner):
             return None
         model = self.model
         kwargs = {**sampling_kwargs(job.params), **self._generation_limits(job, prepared)}
-        config, unused = model._prepare_generation_config(None, **kwargs)
+        config, unused = self._generation_config(kwargs)
         if unused or config.num_beams not in (None, 1) or config.stop_strings or config.max_length is None:
             return None
         input_ids = prepared.model_inputs["input_ids"]
@@ -378,6 +385,23 @@ class TransformersARStage(StageRunner):
             sequence=sequence,
             length=prepared.prompt_length,
         )
+
+    _generation_configs: dict[str, tuple[Any, dict[str, Any]]] | None = None
+    _generation_configs_of: Any = None  # the model they were built from
+
+    def _generation_config(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """``model._prepare_generation_config`` for these options, built once per distinct options (it
+        deep-copies the model's configs: ~9 ms a request on the tiny models); the model never changes."""
+        if (
+            self._generation_configs is None
+            or self._generation_configs_of is not self.model
+            or len(self._generation_configs) > 256
+        ):
+            self._generation_configs, self._generation_configs_of = {}, self.model
+        key = repr(sorted(kwargs.items()))
+        if key not in self._generation_configs:
+            self._generation_configs[key] = self.model._prepare_generation_config(None, **kwargs)
+        return self._generation_configs[key]
 
     def _next_token(self, row: _Row) -> torch.Tensor:
         """Pick the row's next token as ``generate`` would (processors, then argmax or multinomial)."""

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from transformers.models.glm_image.modeling_glm_image import apply_rotary_pos_emb
 
 from engine.processors import grid_layout
 from engine.stages.ar_transformers import ARInputs, FastDecoder, TransformersARStage
@@ -23,10 +22,19 @@ PROCESSOR_COMPONENT = "processor"
 
 @dataclass
 class _GlmRow:
-    """One request's decode state: its own KV cache and the grid positions of the tokens it generates."""
+    """One request's decode state: a preallocated KV cache and the rotary tables of its decode positions.
 
-    cache: Any
-    positions: torch.Tensor  # (3, decode length): (t, h, w) of generated token k at [:, k]
+    ``keys[l]`` / ``values[l]`` hold layer ``l``'s cache, shape (1, heads, capacity, head_dim); the first
+    ``length`` positions are filled. ``cos`` / ``sin`` (decode length, rotary dim) are the rotary tables
+    of the tokens still to come, computed once at prefill (rotary is element-wise per position, so this
+    is exactly what computing them token by token gives); ``sin`` carries ``rotate_half``'s sign.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -36,22 +44,39 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     differ, docs/batching.md); a batched product of B single-row products (``bmm``) takes the same one.
     """
     if x.shape[0] == 1:
-        return module(x)
+        return F.linear(x, module.weight, module.bias)
     out = torch.bmm(x, module.weight.t().expand(x.shape[0], -1, -1))
     return out if module.bias is None else out + module.bias
+
+
+def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
+    """``GlmImageRMSNorm.forward`` op for op, without the module call (a third of a decode step's calls)."""
+    dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * hidden.to(dtype)
+
+
+# Intra-op threads pay only when one token's matrices are big enough to split; below this hidden size
+# (the tiny built-in models) the OpenMP fork/join of every op costs more than it saves: the decode thread
+# runs its ops on one thread (a per-thread setting; other stages keep theirs). Measured in docs/batching.md.
+SINGLE_THREAD_HIDDEN_SIZE = 512
 
 
 class GlmImageDecoder:
     """The lean decode step for ``GlmImageForConditionalGeneration`` (text-to-image prompts).
 
     Prefill is the model's own forward (it computes the M-RoPE positions of the prompt and of every token
-    still to come, from the ``<sop>h w<eop>`` grids); decoding then runs the text decoder's layers with
-    those positions. Everything row-wise (embedding, norms, projections, rotary, MLP, LM head) runs for the
-    whole batch at once (matrix products as ``bmm`` of single rows, see :func:`_linear`); attention runs per
-    row on the row's own cache, with the same shapes as alone, so no row's logits depend on its neighbours
-    (no padding, no masks). This mirrors
-    ``GlmImageTextDecoderLayer.forward`` op for op; ``tests/test_ar_decode.py`` checks the ids against
-    ``generate`` and ``tests/test_batch_invariance.py`` alone against batched.
+    still to come, from the ``<sop>h w<eop>`` grids); its cache is copied into a preallocated one and the
+    rotary tables of every position to come are computed once. Decoding then runs the text decoder's layers
+    with plain functional calls: no cache concatenation, no per-token rotary or module-call overhead.
+    Everything row-wise (embedding, norms, projections, rotary, MLP, LM head) runs for the whole batch at
+    once (matrix products as ``bmm`` of single rows, see :func:`_linear`); attention runs per row on the
+    row's own cache, with the same shapes as alone, so no row's logits depend on its neighbours (no
+    padding, no masks). This mirrors ``GlmImageTextDecoderLayer.forward`` op for op (the same float math);
+    ``tests/test_ar_decode.py`` checks the ids against ``generate`` and ``tests/test_batch_invariance.py``
+    alone against batched.
     """
 
     def __init__(self, model: Any) -> None:
@@ -63,6 +88,7 @@ class GlmImageDecoder:
             and config.num_attention_heads == config.num_key_value_heads
             and not model.training
         )
+        self.threads = 1 if config.hidden_size < SINGLE_THREAD_HIDDEN_SIZE else None
 
     def supports(self, model_inputs: dict[str, Any]) -> bool:
         mask = model_inputs.get("attention_mask")
@@ -88,34 +114,60 @@ class GlmImageDecoder:
         if positions is None:
             raise RuntimeError("GLM-Image prefill left no decode positions (no target grid in the prompt?)")
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-        return logits, _GlmRow(cache=out.past_key_values, positions=positions[0].clone())
+        cache = out.past_key_values
+        length = cache.get_seq_length()
+        capacity = length + positions.shape[-1]
+        keys, values = [], []
+        for layer in cache.layers:
+            key = layer.keys.new_empty(*layer.keys.shape[:2], capacity, layer.keys.shape[-1])
+            value = layer.values.new_empty(*layer.values.shape[:2], capacity, layer.values.shape[-1])
+            key[:, :, :length] = layer.keys
+            value[:, :, :length] = layer.values
+            keys.append(key)
+            values.append(value)
+        decode_positions = positions[0].clone()  # (3, decode length)
+        cos, sin = self.text.rotary_emb(logits, position_ids=decode_positions[:, None, :])
+        half = cos.shape[-1] // 2
+        # rotate_half(x) * sin == x[..., perm] * (sign * sin), exactly: the sign flip is exact in floats.
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype=sin.dtype, device=sin.device)
+        return logits, _GlmRow(keys=keys, values=values, length=length, cos=cos[0], sin=sin[0] * sign)
 
     def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
         rows = cast("list[_GlmRow]", states)
         batch = len(rows)
         text = self.text
-        hidden = text.embed_tokens(tokens[:, None])  # (B, 1, D)
-        position_ids = torch.stack(
-            [row.positions[:, step] for row, step in zip(rows, steps, strict=True)], dim=1
-        )
-        cos, sin = text.rotary_emb(hidden, position_ids=position_ids[..., None])  # positions (3, B, 1)
-        for layer in text.layers:
+        for row in rows:
+            if row.length >= row.keys[0].shape[2]:
+                raise RuntimeError(f"GLM-Image decode ran past its {row.keys[0].shape[2]} cache positions")
+        hidden = F.embedding(tokens[:, None], text.embed_tokens.weight)  # (B, 1, D)
+        cos = torch.stack([row.cos[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
+        sin = torch.stack([row.sin[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
+        rotary = cos.shape[-1]
+        half = rotary // 2
+        perm = torch.cat([torch.arange(half, rotary), torch.arange(half)]).to(tokens.device)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for one of q / k
+            x_rot = x[..., :rotary]
+            return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
+
+        for layer_index, layer in enumerate(text.layers):
             attn = layer.self_attn
             residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            hidden = _rms_norm(layer.input_layernorm, hidden)
             shape = (batch, 1, -1, attn.head_dim)
-            query = _linear(attn.q_proj, hidden).view(shape).transpose(1, 2)
-            key = _linear(attn.k_proj, hidden).view(shape).transpose(1, 2)
+            query = rotate(_linear(attn.q_proj, hidden).view(shape).transpose(1, 2))
+            key = rotate(_linear(attn.k_proj, hidden).view(shape).transpose(1, 2))
             value = _linear(attn.v_proj, hidden).view(shape).transpose(1, 2)
-            query, key = apply_rotary_pos_emb(query, key, cos, sin)
             outputs = []
             for i, row in enumerate(rows):
-                keys, values = row.cache.update(key[i : i + 1], value[i : i + 1], attn.layer_idx)
+                keys, values, end = row.keys[layer_index], row.values[layer_index], row.length
+                keys[:, :, end] = key[i, :, 0]
+                values[:, :, end] = value[i, :, 0]
                 outputs.append(
                     F.scaled_dot_product_attention(
                         query[i : i + 1],
-                        keys,
-                        values,
+                        keys[:, :, : end + 1],
+                        values[:, :, : end + 1],
                         attn_mask=None,
                         dropout_p=0.0,
                         scale=attn.scaling,
@@ -124,13 +176,17 @@ class GlmImageDecoder:
                 )
             attended = (outputs[0] if batch == 1 else torch.cat(outputs)).transpose(1, 2).contiguous()
             hidden = _linear(attn.o_proj, attended.reshape(batch, 1, -1).contiguous())
-            hidden = residual + layer.post_self_attn_layernorm(hidden)
+            hidden = residual + _rms_norm(layer.post_self_attn_layernorm, hidden)
             residual = hidden
             mlp = layer.mlp
-            gate, up = _linear(mlp.gate_up_proj, layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+            gate, up = _linear(mlp.gate_up_proj, _rms_norm(layer.post_attention_layernorm, hidden)).chunk(
+                2, dim=-1
+            )
             hidden = _linear(mlp.down_proj, up * mlp.activation_fn(gate))
-            hidden = residual + layer.post_mlp_layernorm(hidden)
-        hidden = text.norm(hidden)
+            hidden = residual + _rms_norm(layer.post_mlp_layernorm, hidden)
+        for row in rows:
+            row.length += 1
+        hidden = _rms_norm(text.norm, hidden)
         return _linear(self.model.lm_head, hidden)[:, -1].to(copy=True, dtype=torch.float32)
 
 
