@@ -231,10 +231,19 @@ class _StageWorker:
         self.queue: list[_Ticket] = []
         self.cond = threading.Condition()
         self.stopping = False
-        self.busy = False
+        self.running = 0  # batch runners: batches running now (one per worker thread)
         self.in_flight = 0  # concurrent runners: jobs handed to the runner and not yet done
-        self.thread = threading.Thread(target=self._loop, name=f"omni-stage-{runner.stage_id}", daemon=True)
-        self.thread.start()
+        # One thread per batch the runner can take at once: 1 in-process, one per replica on Ray.
+        slots = 1 if runner.concurrent else max(1, int(runner.parallel_batches))
+        self.threads = [
+            threading.Thread(
+                target=self._loop, name=f"omni-stage-{runner.stage_id}" + (f"-{i}" if i else ""), daemon=True
+            )
+            for i in range(slots)
+        ]
+        self.thread = self.threads[0]
+        for thread in self.threads:
+            thread.start()
 
     def submit(self, ticket: _Ticket) -> None:
         with self.cond:
@@ -247,7 +256,7 @@ class _StageWorker:
 
     @property
     def active(self) -> int:
-        return self.in_flight if self.runner.concurrent else (1 if self.busy else 0)
+        return self.in_flight if self.runner.concurrent else self.running
 
     def stop(self) -> None:
         with self.cond:
@@ -269,7 +278,7 @@ class _StageWorker:
                 if self.runner.batch_key(ticket.job) == key:
                     self.queue.remove(ticket)
                     batch.append(ticket)
-            self.busy = True
+            self.running += 1
             return batch
 
     def _loop(self) -> None:
@@ -282,7 +291,8 @@ class _StageWorker:
             try:
                 self._run(batch)
             finally:
-                self.busy = False
+                with self.cond:
+                    self.running -= 1
 
     def _concurrent_loop(self) -> None:
         """Hand jobs to a runner with its own scheduler, keeping at most max_num_seqs in flight."""
@@ -385,9 +395,16 @@ class OmniEngine:
         *,
         max_pending: int = 64,
         check_devices: bool = True,
+        ray_address: str | None = None,
+        model_cache: Path | None = None,
     ) -> OmniEngine:
-        """Load every stage in order. A failure shuts down the stages already started."""
-        if check_devices:
+        """Load every stage in order. A failure shuts down the stages already started.
+
+        With ``ray_address`` each stage runs as Ray actors on that cluster (docs/distributed.md): their
+        devices are the cluster's, so this machine's GPUs are not checked, and every stage's actors start
+        loading at once.
+        """
+        if check_devices and ray_address is None:
             problems = device_problems(config)
             if problems:
                 raise DeployConfigError(problems)
@@ -396,15 +413,16 @@ class OmniEngine:
                 f"model {model.name} has no files yet; call engine.models.materialize first"
             )
         runners: dict[int, StageRunner] = {}
+        stage = config.stages[0]
         try:
+            create = _runner_factory(config, model, ray_address, model_cache)
             for stage in config.stages:
-                device = resolve_device(stage.engine_args.placement)
                 # Output names are parsed here too (not only in validation): a config built in code
                 # bypasses the loader, and an invalid name must fail before any request is accepted.
                 parse_output_modalities(stage.engine_output_type)
-                runner = model.family.create_runner(stage, model.path, device)
-                runners[stage.stage_id] = runner
-                runner.load()
+                runners[stage.stage_id] = create(stage)
+            for stage in config.stages:
+                runners[stage.stage_id].load()
         except Exception as exc:
             for runner in runners.values():
                 runner.close()
@@ -728,7 +746,8 @@ class OmniEngine:
         for worker in self.workers.values():
             worker.stop()
         for worker in self.workers.values():
-            worker.thread.join(timeout=30)
+            for thread in worker.threads:
+                thread.join(timeout=30)
         with self._lock:
             for handle in handles:
                 if handle.terminal is None:
@@ -755,6 +774,32 @@ class OmniEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _runner_factory(
+    config: PipelineConfig, model: ModelSource, ray_address: str | None, model_cache: Path | None
+) -> Callable[[ResolvedStage], StageRunner]:
+    """How this engine makes its stage runners: in this process, or as Ray actors (docs/distributed.md)."""
+    path = model.path
+    assert path is not None
+    if not ray_address:
+        placed = [s.stage_id for s in config.stages if s.engine_args.num_replicas or s.engine_args.resources]
+        if placed:
+            log.warning(
+                "stage(s) %s set num_replicas/resources, which apply on a Ray cluster (--ray-address); "
+                "embedded mode runs one copy of each stage",
+                ", ".join(map(str, placed)),
+            )
+        return lambda stage: model.family.create_runner(
+            stage, path, resolve_device(stage.engine_args.placement)
+        )
+    try:
+        # Ray is an optional extra: imported only when a Ray address is given.
+        from engine.distributed.ray_stage import RayPlacement
+    except ImportError as exc:
+        raise EngineBuildError(f"--ray-address needs Ray: pip install 'omni-studio[ray]' ({exc})") from exc
+    placement = RayPlacement(ray_address, config.ray, model_cache or model_cache_dir(default_data_dir()))
+    return lambda stage: placement.runner(stage, model)
 
 
 def _context_length(runner: StageRunner, stage: ResolvedStage) -> int | None:
@@ -789,9 +834,36 @@ def build_engine(
     data_dir: Path | None = None,
     ar_backend: str | None = None,
     max_pending: int = 64,
+    ray_address: str | None = None,
 ) -> OmniEngine:
-    """Resolve ``model``, validate ``deploy_config`` against it, build the model if built in, start."""
+    """Resolve ``model``, validate ``deploy_config`` against it, build the model if built in, start.
+
+    ``ray_address`` (``--ray-address``; else the deploy config's ``ray.address``) runs each stage as Ray
+    actors on that cluster (docs/distributed.md); without either the engine runs in this process.
+    """
     source = describe_model(model)
     config = build_pipeline_config(source, deploy_config, ar_backend)  # validation before anything loads
-    source = materialize(source, model_cache_dir(Path(data_dir) if data_dir else default_data_dir()))
-    return OmniEngine.start(config, source, max_pending=max_pending)
+    address = ray_address or (config.ray.address if config.ray is not None else None)
+    if config.ray is not None and not address:
+        raise DeployConfigError(
+            [
+                ConfigProblem(
+                    None,
+                    "ray.address",
+                    "the ray section needs an address ('auto', 'HOST:6379' or 'ray://HOST:10001'), "
+                    "or pass --ray-address",
+                )
+            ]
+        )
+    cache = model_cache_dir(Path(data_dir) if data_dir else default_data_dir())
+    source = materialize(source, cache)
+    return OmniEngine.start(config, source, max_pending=max_pending, ray_address=address, model_cache=cache)
+
+
+def engine_placement(engine: OmniEngine) -> dict[int, list[dict[str, Any]]]:
+    """Where each stage runs: per stage, its Ray replicas (name, node, pid, load); empty when embedded."""
+    return {
+        sid: runner.placement()  # type: ignore[attr-defined]
+        for sid, runner in engine.runners.items()
+        if hasattr(runner, "placement")
+    }

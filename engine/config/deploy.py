@@ -6,15 +6,21 @@ strict (``'0.5'`` is not a number), with the one lenience that ``devices`` may b
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 StageKind = Literal["ar", "diffusion"]
 ARBackend = Literal["auto", "vllm", "transformers"]
 InputProcessorName = Literal["ar2diffusion"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+# vLLM's executors for a stage's workers (``distributed_executor_backend``): Ray spans nodes, ``mp`` is one
+# machine's processes, ``uni`` one process (docs/vllm.md).
+ExecutorBackend = Literal["ray", "mp", "uni"]
+# Ray's built-in resources: a stage asks for GPUs with ``devices``, never through ``resources``.
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 DEVICES_PATTERN = re.compile(r"^(auto|cpu|\d+(,\d+)*)$")
 
@@ -27,6 +33,24 @@ def _devices_to_str(value: Any) -> Any:
 
 
 Devices = Annotated[str, BeforeValidator(_devices_to_str), Field(pattern=DEVICES_PATTERN.pattern)]
+
+
+def _check_resources(value: dict[str, float]) -> dict[str, float]:
+    for name, amount in value.items():
+        if not name.strip() or name != name.strip():
+            raise ValueError(f"resource name {name!r} must be a non-empty name without surrounding spaces")
+        if name in RAY_BUILTIN_RESOURCES:
+            raise ValueError(
+                f"{name!r} is one of Ray's built-in resources ({', '.join(RAY_BUILTIN_RESOURCES)}); "
+                "ask for GPUs with devices (e.g. devices: '0'), and name only custom resources here"
+            )
+        if not math.isfinite(amount) or amount <= 0:
+            raise ValueError(f"resource {name!r} must be a positive number, got {amount!r}")
+    return value
+
+
+# A stage's custom Ray resources (``{node_a: 1}``): the actor goes to a node that has them (docs/distributed.md).
+ResourceMap = Annotated[dict[str, float], AfterValidator(_check_resources)]
 
 
 class StrictModel(BaseModel):
@@ -93,15 +117,33 @@ class StageConfig(StrictModel):
     pipeline_parallel_size: int | None = Field(None, ge=1, le=64)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     dtype: DType | None = None
+    distributed_executor_backend: ExecutorBackend | None = None
+
+    # Placement on a Ray cluster (``--ray-address``; docs/distributed.md). Embedded mode runs one copy.
+    num_replicas: int | None = Field(None, ge=1, le=64)
+    resources: ResourceMap | None = None
 
     # Checked against the stage kind once the topology is resolved.
     default_sampling_params: dict[str, Any] | None = None
+
+
+class RayConfig(StrictModel):
+    """The ``ray:`` section: run each stage as Ray actors on a cluster (docs/distributed.md).
+
+    ``--ray-address`` on the command line overrides ``address``.
+    """
+
+    address: str | None = Field(None, min_length=1)  # 'auto', 'HOST:6379' or 'ray://HOST:10001'
+    namespace: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    max_restarts: int = Field(4, ge=-1, le=1000)  # per actor; -1: without limit
+    start_timeout_s: float = Field(300.0, gt=0, le=3600)  # for every actor to be placed and loaded
 
 
 class DeployConfig(StrictModel):
     """A deploy file: top-level switches and the list of stages."""
 
     async_chunk: bool | None = None
+    ray: RayConfig | None = None
     stages: list[StageConfig] = Field(default_factory=list)
 
 

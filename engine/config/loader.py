@@ -14,12 +14,29 @@ from engine.config.deploy import DeployConfig, StageConfig
 from engine.config.errors import ConfigProblem, DeployConfigError
 
 
+def _model_at(model: type[BaseModel], loc: list[str]) -> type[BaseModel]:
+    """The nested model a location points into (``ray.adress`` -> the ``ray:`` section's model)."""
+    for part in loc:
+        info = model.model_fields.get(part)
+        if info is None:
+            break
+        nested = [
+            t
+            for t in (info.annotation, *getattr(info.annotation, "__args__", ()))
+            if isinstance(t, type) and issubclass(t, BaseModel)
+        ]
+        if not nested:
+            break
+        model = nested[0]
+    return model
+
+
 def _describe_error(error: ErrorDetails, model: type[BaseModel]) -> tuple[str, str]:
     """(dotted key, message) for one pydantic error, with allowed keys named for unknown ones."""
     loc = [str(part) for part in error["loc"]]
     key = ".".join(loc)
     if error["type"] == "extra_forbidden":
-        allowed = ", ".join(sorted(model.model_fields))
+        allowed = ", ".join(sorted(_model_at(model, loc[:-1]).model_fields))
         return key, f"unknown key {loc[-1]!r}; allowed keys: {allowed}"
     if error["type"] == "missing":
         return key, "required key is missing"
@@ -115,7 +132,7 @@ def parse_deploy_config(data: Any, source: str | None = None) -> tuple[DeployCon
                 continue
             with contextlib.suppress(ValidationError):
                 stages.append(StageConfig.model_validate({k: v for k, v in raw.items() if k not in bad_keys}))
-    fields: dict[str, Any] = {"async_chunk": top_model.async_chunk} if "async_chunk" in data else {}
+    fields: dict[str, Any] = {key: getattr(top_model, key) for key in ("async_chunk", "ray") if key in data}
     if stages_given:
         fields["stages"] = stages
     # model_construct keeps model_fields_set honest: an absent `stages` key means "use the topology".

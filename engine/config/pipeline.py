@@ -20,6 +20,7 @@ from engine.config.deploy import (
     SAMPLING_PARAMS_BY_KIND,
     TOPOLOGY_KEYS,
     DeployConfig,
+    RayConfig,
     StageConfig,
 )
 from engine.config.errors import ConfigProblem, DeployConfigError
@@ -82,6 +83,9 @@ class StageEngineArgs:
     pipeline_parallel_size: int | None = 1
     kv_cache_memory_bytes: int | None = None
     dtype: str | None = "auto"
+    distributed_executor_backend: str | None = None  # vLLM's executor (AR stages); None: vLLM's choice
+    num_replicas: int | None = None  # Ray actors for the stage (docs/distributed.md); None: one
+    resources: dict[str, float] | None = None  # custom Ray resources each actor asks for
 
     @cached_property
     def placement(self) -> DevicePlacement:
@@ -104,9 +108,26 @@ class StageEngineArgs:
     def dtype_name(self) -> str:
         return self.dtype or "auto"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    @property
+    def replicas(self) -> int:
+        """Ray actors the stage runs as (``num_replicas``; 1 when unset)."""
+        return int(self.num_replicas or 1)
 
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        # Keys added after the first release appear only when set, so a config that does not use them
+        # keeps its config hash (and the fingerprints and history rows made from it).
+        for key in OPTIONAL_ENGINE_ARGS:
+            if data[key] is None:
+                del data[key]
+        return data
+
+
+# Engine args left out of the config dict when unset (see StageEngineArgs.to_dict).
+OPTIONAL_ENGINE_ARGS = ("distributed_executor_backend", "num_replicas", "resources")
+# Where a stage runs and how many copies: they change no output, so they stay out of the config hash (a
+# pipeline on a Ray cluster hashes like the same pipeline embedded; docs/distributed.md).
+PLACEMENT_ENGINE_ARGS = ("num_replicas", "resources")
 
 ENGINE_ARG_FIELDS = tuple(f.name for f in fields(StageEngineArgs))
 assert set(ENGINE_ARG_FIELDS) == set(ENGINE_ARG_KEYS), "StageEngineArgs and StageConfig disagree"
@@ -153,6 +174,7 @@ class ResolvedStage:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["engine_args"] = self.engine_args.to_dict()
         data["kind"] = self.kind.value  # a plain string, as YAML and JSON writers expect
         data["input_sources"] = list(self.input_sources)
         return data
@@ -167,6 +189,8 @@ class PipelineConfig:
     model_identity: str  # stable across machines: built-in recipe version or a hash of the model's configs
     async_chunk: bool
     stages: tuple[ResolvedStage, ...]
+    # The deploy file's ``ray:`` section: where stages run, not what they compute (out of the hash).
+    ray: RayConfig | None = field(default=None, compare=False)
 
     def stage(self, stage_id: int) -> ResolvedStage:
         for stage in self.stages:
@@ -194,8 +218,13 @@ class PipelineConfig:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def config_hash(self) -> str:
-        """sha256 of the canonical JSON of the resolved pipeline (models, stages, engine args)."""
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+        """sha256 of the canonical JSON of the resolved pipeline (models, stages, engine args), placement
+        on a Ray cluster (``num_replicas``, ``resources``) left out."""
+        data = self.to_dict()
+        for stage in data["stages"]:
+            for key in PLACEMENT_ENGINE_ARGS:
+                stage["engine_args"].pop(key, None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     @property
     def hash8(self) -> str:
@@ -316,6 +345,7 @@ def _merge_stage(
         problems.append(
             ConfigProblem(sid, "input_processor", "ar2diffusion feeds a diffusion stage; remove it here")
         )
+    problems += _parallelism_problems(sid, kind, backend, engine_args)
 
     return ResolvedStage(
         stage_id=sid,
@@ -329,6 +359,52 @@ def _merge_stage(
         engine_args=engine_args,
         default_sampling_params=sampling,
     )
+
+
+def _parallelism_problems(sid: int, kind: str, backend: str, args: StageEngineArgs) -> list[ConfigProblem]:
+    """vLLM's own scale-out keys (docs/vllm.md): AR stages on vLLM only, and enough GPUs for them."""
+    problems = []
+    workers = args.tensor_parallel * args.pipeline_parallel
+    if args.distributed_executor_backend is not None and kind != "ar":
+        problems.append(
+            ConfigProblem(
+                sid,
+                "distributed_executor_backend",
+                f"applies to AR stages on vLLM; {a_stage(kind)} runs in one process",
+            )
+        )
+    if kind == "ar" and backend == "transformers":
+        for key, size in (
+            ("tensor_parallel_size", args.tensor_parallel),
+            ("pipeline_parallel_size", args.pipeline_parallel),
+        ):
+            if size > 1:
+                problems.append(
+                    ConfigProblem(
+                        sid, key, f"{key} {size} needs vLLM; use backend: vllm (or auto), or {key}: 1"
+                    )
+                )
+        if args.distributed_executor_backend is not None:
+            problems.append(
+                ConfigProblem(
+                    sid,
+                    "distributed_executor_backend",
+                    "is vLLM's executor; use backend: vllm (or auto), or remove it",
+                )
+            )
+    gpus = args.placement.gpus
+    if kind == "ar" and gpus and workers > len(gpus) and args.distributed_executor_backend != "ray":
+        problems.append(
+            ConfigProblem(
+                sid,
+                "tensor_parallel_size",
+                f"tensor_parallel_size {args.tensor_parallel} x pipeline_parallel_size {args.pipeline_parallel} "
+                f"needs {workers} GPUs but devices {args.devices!r} lists {len(gpus)}; list {workers} GPUs "
+                "(e.g. devices: '" + ",".join(str(i) for i in range(workers)) + "') or set "
+                "distributed_executor_backend: ray to let vLLM place its workers on the Ray cluster",
+            )
+        )
+    return problems
 
 
 def _check_graph(stages: list[ResolvedStage], problems: list[ConfigProblem]) -> None:
@@ -413,4 +489,5 @@ def resolve_pipeline_config(
         model_identity=model_identity,
         async_chunk=bool(deploy.async_chunk),
         stages=tuple(resolved),
+        ray=deploy.ray,
     )

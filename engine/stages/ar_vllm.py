@@ -570,6 +570,10 @@ class VllmARStage(StageRunner):
                 kwargs["kv_cache_memory_bytes"] = self._default_kv_cache_bytes(kwargs.get("max_model_len"))
         elif args.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = float(args.gpu_memory_utilization)
+        if args.distributed_executor_backend is not None:
+            # vLLM's own scale-out (docs/vllm.md): "ray" places the tensor/pipeline-parallel workers on the
+            # Ray cluster this process is connected to (RAY_ADDRESS), "mp" on this machine's GPUs.
+            kwargs["distributed_executor_backend"] = args.distributed_executor_backend
         if self.worker_extension_cls:
             kwargs["worker_extension_cls"] = self.worker_extension_cls
         cls = AsyncEngineArgs if driver == "async" else EngineArgs

@@ -84,6 +84,9 @@ class StageRunner(ABC):
 
     kind: str = ""
     concurrent: bool = False
+    # Batches the engine may run at once (one worker thread each): 1 in-process; a stage with several
+    # Ray replicas runs one batch per replica (engine/distributed/ray_stage.py).
+    parallel_batches: int = 1
 
     def __init__(self, stage: ResolvedStage, model_path: Path, device: torch.device) -> None:
         self.stage = stage

@@ -1,0 +1,638 @@
+"""Stages as Ray actors: each stage's model runs in ``num_replicas`` actors on a Ray cluster, behind a
+:class:`RayStageRunner` that the engine drives like any other runner (docs/distributed.md).
+
+What crosses the wire for one batch: the jobs' inputs and parameters go to an actor; the actor runs the
+stage's own runner (the same class embedded mode runs) and streams back, in order, the events its jobs
+emit (progress, previews, text deltas), every output payload they add, and how each job ended. The
+proxy replays those on the studio's side exactly as the runner would have produced them in-process, so the
+engine's batching, routing, cancel and run records see no difference, and the outputs are the same bytes.
+
+Placement: ``devices`` naming GPUs asks Ray for that many GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``), the
+stage's ``resources`` map asks for custom resources (``{node_a: 1}`` pins the stage to nodes started with
+that resource), and each actor takes one logical CPU. Requests go to the replica with the fewest batches
+in flight.
+
+Faults: actors are created with ``max_restarts`` (the ``ray:`` section) and ``max_task_retries=0`` —
+generation is not idempotent, so Ray never re-runs a job by itself. A replica that dies mid-run fails
+the jobs it was running with an error naming it; it is marked down, and new work goes to the other
+replicas (or waits for it) until Ray has restarted it and it answers again. A job whose replica was lost
+before it reported anything is sent again to a live replica, since nothing of it was seen.
+
+This module imports Ray at the top: it is imported only when a Ray address is given
+(:func:`engine.engine.build_engine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import secrets
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+
+from engine.config import ResolvedStage
+from engine.config.deploy import RayConfig
+from engine.events import FinishReason, StageStatus
+from engine.modality import OutputAccumulator
+from engine.models import ModelSource, materialize
+from engine.request import RequestError
+from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner
+
+log = logging.getLogger("omni_studio.engine.ray")
+
+POLL_S = 0.05  # how often a waiting call looks at its jobs' cancel flags (cancel reaches the actor within it)
+PROBE_S = 0.25  # how often a lost replica is asked whether it is back
+LOST = (RayActorError, ActorUnavailableError)  # ActorDiedError is a RayActorError
+
+
+class StageReplicaLost(RuntimeError):
+    """The actor running a stage's batch died or became unreachable mid-run."""
+
+
+class RayPlacementError(RuntimeError):
+    """Ray could not place or start a stage's actors."""
+
+
+# -- what crosses the wire ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job as the actor sees it: the key the proxy cancels it by, its inputs and parameters."""
+
+    key: str
+    request_id: str
+    index: int
+    inputs: dict[str, Any]
+    params: dict[str, Any]
+    cancelled: bool = False
+
+
+def portable_error(error: BaseException | None) -> tuple[str, ...] | BaseException | None:
+    """An exception as it can cross processes: ``RequestError`` by its field, others pickled when they
+    survive the round trip, else their type name and message."""
+    if error is None:
+        return None
+    if isinstance(error, RequestError):
+        return ("request", error.field, error.message)
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # an exception class whose constructor pickle cannot replay
+        return ("error", type(error).__name__, str(error))
+
+
+def restore_error(payload: tuple[str, ...] | BaseException | None) -> Exception | None:
+    if payload is None:
+        return None
+    if isinstance(payload, Exception):
+        return payload
+    if isinstance(payload, tuple) and payload and payload[0] == "request":
+        return RequestError(payload[1], payload[2])
+    if isinstance(payload, tuple) and len(payload) == 3:
+        return RuntimeError(f"{payload[1]}: {payload[2]}")
+    return RuntimeError(repr(payload))
+
+
+class _ForwardingAccumulator(OutputAccumulator):
+    """The actor-side accumulator: keeps the runner's view and forwards every payload, in order."""
+
+    def __init__(self, modalities: Any, forward: Any) -> None:
+        super().__init__(modalities)
+        self._forward = forward
+
+    def add(self, delta: Any) -> None:
+        super().add(delta)
+        self._forward(dict(delta))
+
+
+# -- the actor ----------------------------------------------------------------------------------------
+
+
+def actor_stage(stage: ResolvedStage) -> ResolvedStage:
+    """The stage as its actor runs it: Ray has made the GPUs it asked for visible as 0..n-1."""
+    gpus = stage.engine_args.placement.gpus
+    if not gpus:
+        return stage
+    devices = ",".join(str(i) for i in range(len(gpus)))
+    return replace(stage, engine_args=replace(stage.engine_args, devices=devices))
+
+
+def actor_device(stage: ResolvedStage) -> torch.device:
+    placement = stage.engine_args.placement
+    if placement.gpus:
+        return torch.device("cuda:0")
+    if placement.is_auto and torch.cuda.is_available():
+        return torch.device("cuda:0")
+    return torch.device("cpu")
+
+
+class StageActor:
+    """One replica of one stage: loads the stage's runner in the actor process and runs batches on it."""
+
+    def __init__(
+        self, stage: ResolvedStage, model: ModelSource, model_cache: str, torch_threads: int
+    ) -> None:
+        from engine.environment import quiet_libraries
+
+        quiet_libraries()
+        # The studio's thread count: the same float math, so the same bytes as embedded on the same hardware.
+        torch.set_num_threads(max(1, torch_threads))
+        if model.builtin and (model.path is None or not Path(model.path).is_dir()):
+            # A built-in model is built deterministically on the node that needs it.
+            model = materialize(replace(model, path=None), Path(model_cache))
+        stage = actor_stage(stage)
+        self.stage = stage
+        self.runner = model.family.create_runner(stage, Path(model.path or "."), actor_device(stage))
+        quiet_libraries()  # again, now that the model libraries are imported (their progress bars off)
+        self.runner.load()
+        self.jobs: dict[str, StageJob] = {}
+
+    async def describe(self) -> dict[str, Any]:
+        """Where this replica runs and how it takes work."""
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "concurrent": bool(self.runner.concurrent),
+            "max_batch_size": int(self.runner.max_batch_size),
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    async def cancel(self, keys: list[str]) -> None:
+        for key in keys:
+            job = self.jobs.get(key)
+            if job is not None:
+                job.cancel_event.set()
+
+    async def run(self, specs: list[JobSpec]) -> Any:
+        """Run a batch; yields lists of messages as they come (a streaming generator method):
+        ``("event", i, event)``, ``("output", i, payload)``, ``("done", i, status, error, counts...)``."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+
+        def put(message: tuple[Any, ...]) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, message)
+
+        modalities = self.stage.output_modalities
+        jobs: list[StageJob] = []
+        for i, spec in enumerate(specs):
+            job = StageJob(
+                request_id=spec.request_id,
+                index=spec.index,
+                inputs=spec.inputs,
+                params=spec.params,
+                emit=lambda event, i=i: put(("event", i, event)),
+                accumulator=_ForwardingAccumulator(
+                    modalities, lambda payload, i=i: put(("output", i, payload))
+                ),
+            )
+            if spec.cancelled:
+                job.cancel_event.set()
+            self.jobs[spec.key] = job
+            jobs.append(job)
+        try:
+            if self.runner.concurrent:
+                for i, job in enumerate(jobs):
+
+                    def done(status: StageStatus, error: Exception | None, i: int = i) -> None:
+                        put(("end", i, status, error))
+
+                    try:
+                        self.runner.submit(job, done)
+                    except Exception as exc:
+                        done(StageStatus.FAILED, exc)
+            else:
+
+                def run_batch() -> None:
+                    status, error = StageStatus.SUCCEEDED, None
+                    try:
+                        self.runner.run(jobs)
+                    except StageCancelled:
+                        status = StageStatus.CANCELLED
+                    except Exception as exc:  # the batch fails; the actor keeps serving
+                        status, error = StageStatus.FAILED, exc
+                    for i in range(len(jobs)):
+                        put(("end", i, status, error))
+
+                threading.Thread(
+                    target=run_batch, name=f"omni-ray-stage-{self.stage.stage_id}", daemon=True
+                ).start()
+            remaining = len(jobs)
+            while remaining:
+                messages = [await inbox.get()]
+                while not inbox.empty():
+                    messages.append(inbox.get_nowait())
+                out: list[tuple[Any, ...]] = []
+                for message in messages:
+                    if message[0] != "end":
+                        out.append(message)
+                        continue
+                    _, i, status, error = message
+                    job = jobs[i]
+                    remaining -= 1
+                    out.append(
+                        (
+                            "done",
+                            i,
+                            str(status),
+                            portable_error(error),
+                            job.input_tokens,
+                            job.output_tokens,
+                            str(job.finish_reason),
+                            job.scratch.get("max_new_tokens"),
+                        )
+                    )
+                yield out
+        finally:
+            for spec in specs:
+                self.jobs.pop(spec.key, None)
+
+
+_REMOTE_ACTOR = ray.remote(StageActor)
+
+
+# -- the studio's side ---------------------------------------------------------------------------------
+
+
+def connect(address: str, namespace: str) -> None:
+    """Join the cluster at ``address`` as a driver (once per process; later engines reuse it)."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace,
+            log_to_driver=False,  # actor logs stay in the cluster's log folder (docs/distributed.md)
+            logging_level=logging.WARNING,
+        )
+    except Exception as exc:
+        raise RayPlacementError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from exc
+
+
+@dataclass
+class Replica:
+    """One actor of a stage and what the proxy knows of it."""
+
+    index: int
+    name: str
+    actor: Any
+    node_id: str = ""
+    pid: int = 0
+    in_flight: int = 0
+    served: int = 0  # batches it finished (any outcome)
+    up: bool = True
+    lost_reason: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "replica": self.index,
+            "name": self.name,
+            "node_id": self.node_id,
+            "pid": self.pid,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "up": self.up,
+        }
+
+
+class RayStageRunner(StageRunner):
+    """A stage whose model runs in Ray actors; the engine drives it like an in-process runner.
+
+    Runners that take whole batches (diffusers) run one batch per replica at a time
+    (:attr:`parallel_batches` worker threads in the engine); concurrent runners (continuous batching)
+    get ``max_num_seqs`` jobs in flight per replica.
+    """
+
+    _keys = itertools.count()
+
+    def __init__(
+        self,
+        stage: ResolvedStage,
+        model: ModelSource,
+        *,
+        ray_config: RayConfig,
+        namespace: str,
+        model_cache: Path,
+    ) -> None:
+        super().__init__(stage, Path(model.path or "."), torch.device("cpu"))
+        self.kind = stage.kind.value
+        self.ray_config = ray_config
+        self.namespace = namespace
+        self.remote_concurrent = False
+        self._lock = threading.Condition()
+        self._rotation = itertools.count()
+        self._closed = False
+        token = secrets.token_hex(3)
+        args = stage.engine_args
+        # vLLM's Ray executor places its own GPU workers; the actor then holds none itself.
+        gpus = 0 if args.distributed_executor_backend == "ray" else len(args.placement.gpus)
+        self.actor_options: dict[str, Any] = {
+            "num_cpus": 1,
+            "num_gpus": gpus,
+            "resources": dict(args.resources or {}),
+            "max_restarts": ray_config.max_restarts,
+            "max_task_retries": 0,  # generation is not idempotent: a lost batch fails, never re-runs silently
+            "namespace": namespace,
+        }
+        self.replicas = [
+            Replica(
+                i,
+                f"stage-{stage.stage_id}-replica-{i}-{token}",
+                _REMOTE_ACTOR.options(
+                    name=f"stage-{stage.stage_id}-replica-{i}-{token}", **self.actor_options
+                ).remote(stage, model, str(model_cache), torch.get_num_threads()),
+            )
+            for i in range(args.replicas)
+        ]
+
+    # -- StageRunner -------------------------------------------------------------------------------
+
+    @property  # type: ignore[override]  # a class attribute on the base; here what the actors report
+    def concurrent(self) -> bool:
+        return self.remote_concurrent
+
+    @property
+    def parallel_batches(self) -> int:  # type: ignore[override]
+        return len(self.replicas)
+
+    @property
+    def max_batch_size(self) -> int:
+        per_replica = self.stage.engine_args.batch_size
+        return per_replica * len(self.replicas) if self.remote_concurrent else per_replica
+
+    def load(self) -> None:
+        """Wait until every replica is placed and has loaded its model (``ray.start_timeout_s``)."""
+        timeout = self.ray_config.start_timeout_s
+        pending = {replica.actor.describe.remote(): replica for replica in self.replicas}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RayPlacementError(
+                    self._placement_hint(sorted(r.index for r in pending.values()), timeout)
+                )
+            replica = pending.pop(ready[0])
+            try:
+                info = ray.get(ready[0])
+            except RayActorError as exc:
+                raise RayPlacementError(
+                    f"stage {self.stage_id} replica {replica.index} failed to start on Ray: {_cause(exc)}"
+                ) from exc
+            replica.node_id, replica.pid = info["node_id"], info["pid"]
+            self.remote_concurrent = bool(info["concurrent"])
+        self.loaded = True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        for replica in self.replicas:
+            try:
+                ray.kill(replica.actor, no_restart=True)
+            except Exception as exc:  # already gone, or the cluster is unreachable: nothing left to free
+                log.debug("stage %s replica %s: kill: %s", self.stage_id, replica.index, exc)
+        super().close()
+
+    def batch_key(self, job: StageJob) -> Any:
+        # The actor's runner decides what may share a batch; diffusers' rule needs only the job itself.
+        p = job.params
+        if self.kind == "diffusion":
+            return (
+                p.get("height"),
+                p.get("width"),
+                p.get("num_inference_steps"),
+                p.get("guidance_scale"),
+                p.get("negative_prompt"),
+                job.inputs.get("image") is not None,
+                id(job) if job.inputs.get("image") is not None else None,
+            )
+        return id(job)
+
+    def total_steps(self, job: StageJob) -> int:
+        if self.kind == "diffusion":
+            return int(job.params.get("num_inference_steps") or 0)
+        return int(job.scratch.get("max_new_tokens", 0))
+
+    def run(self, jobs: list[StageJob]) -> None:
+        statuses = self._call(jobs)
+        status, error = statuses[0]
+        if status == StageStatus.FAILED:
+            raise error or RuntimeError(f"stage {self.stage_id} failed without an error")
+        if status == StageStatus.CANCELLED:
+            raise StageCancelled()
+
+    def submit(self, job: StageJob, done: JobDone) -> None:
+        def call() -> None:
+            try:
+                status, error = self._call([job])[0]
+            except Exception as exc:
+                status, error = StageStatus.FAILED, exc
+            done(status, error)
+
+        threading.Thread(target=call, name=f"omni-ray-call-{self.stage_id}", daemon=True).start()
+
+    # -- where the studio looks ----------------------------------------------------------------------
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Each replica: actor name, node, pid, batches in flight and served, whether it is up."""
+        with self._lock:
+            return [replica.describe() for replica in self.replicas]
+
+    # -- calls ----------------------------------------------------------------------------------------
+
+    def _call(self, jobs: list[StageJob]) -> list[tuple[StageStatus, Exception | None]]:
+        """Run ``jobs`` on a replica; a replica lost before it reported anything is replaced by another."""
+        while True:
+            replica = self._acquire()
+            try:
+                return self._stream(replica, jobs)
+            except _ReplicaLost as lost:
+                self._mark_down(replica, lost.reason)
+                if lost.seen_any or all(job.cancelled for job in jobs):
+                    raise StageReplicaLost(lost.message) from None
+                log.warning("%s; sending the batch to another replica", lost.message)
+            finally:
+                self._release(replica)
+
+    def _stream(self, replica: Replica, jobs: list[StageJob]) -> list[tuple[StageStatus, Exception | None]]:
+        keys = [f"{job.request_id}/{job.index}/{next(self._keys)}" for job in jobs]
+        specs = [
+            JobSpec(key, job.request_id, job.index, job.inputs, job.params, job.cancelled)
+            for key, job in zip(keys, jobs, strict=True)
+        ]
+        results: dict[int, tuple[StageStatus, Exception | None]] = {}
+        cancel_sent: set[int] = set()
+        seen_any = False
+        try:
+            stream = replica.actor.run.options(num_returns="streaming").remote(specs)
+            while True:
+                cancelled = [i for i, job in enumerate(jobs) if job.cancelled and i not in cancel_sent]
+                if cancelled:
+                    cancel_sent.update(cancelled)
+                    replica.actor.cancel.remote([keys[i] for i in cancelled])
+                ready, _ = ray.wait([stream], timeout=POLL_S)
+                if not ready:
+                    continue
+                try:
+                    ref = next(stream)
+                except StopIteration:
+                    break
+                messages = ray.get(ref)
+                seen_any = True
+                for message in messages:
+                    self._deliver(jobs, message, results)
+        except LOST as exc:
+            raise _ReplicaLost(self._lost_message(replica, exc), _cause(exc), seen_any) from exc
+        missing = [i for i in range(len(jobs)) if i not in results]
+        if missing:
+            raise RuntimeError(
+                f"stage {self.stage_id} replica {replica.index} ended without finishing jobs {missing}"
+            )
+        return [results[i] for i in range(len(jobs))]
+
+    @staticmethod
+    def _deliver(
+        jobs: list[StageJob],
+        message: tuple[Any, ...],
+        results: dict[int, tuple[StageStatus, Exception | None]],
+    ) -> None:
+        kind, i = message[0], message[1]
+        job = jobs[i]
+        if kind == "event":
+            job.emit(message[2])
+        elif kind == "output":
+            job.add_output(message[2])
+        elif kind == "done":
+            _, _, status, error, input_tokens, output_tokens, finish_reason, max_new = message
+            job.input_tokens, job.output_tokens = int(input_tokens), int(output_tokens)
+            job.finish_reason = FinishReason(finish_reason)
+            if max_new is not None:
+                job.scratch["max_new_tokens"] = max_new
+            results[i] = (StageStatus(status), restore_error(error))
+
+    def _lost_message(self, replica: Replica, exc: BaseException) -> str:
+        restarts = self.ray_config.max_restarts
+        again = (
+            "Ray restarts it"
+            + (f" (up to {restarts} times)" if restarts >= 0 else "")
+            + "; the stage's other replicas take new requests meanwhile"
+        )
+        return (
+            f"stage {self.stage_id} replica {replica.index} (Ray actor {replica.name}, node {replica.node_id[:12]}, "
+            f"pid {replica.pid}) was lost mid-run: {_cause(exc)}. {again}"
+        )
+
+    # -- replicas: choose, lose, get back ---------------------------------------------------------
+
+    def _acquire(self) -> Replica:
+        """The live replica with the fewest batches in flight (ties in turn); waits while none is up."""
+        deadline = time.monotonic() + self.ray_config.start_timeout_s
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise RuntimeError(f"stage {self.stage_id}: the engine is shutting down")
+                live = [r for r in self.replicas if r.up]
+                if live:
+                    turn = next(self._rotation)
+                    replica = min(live, key=lambda r: (r.in_flight, (r.index - turn) % len(self.replicas)))
+                    replica.in_flight += 1
+                    return replica
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    reasons = "; ".join(f"replica {r.index}: {r.lost_reason}" for r in self.replicas)
+                    raise StageReplicaLost(
+                        f"no replica of stage {self.stage_id} is available after "
+                        f"{self.ray_config.start_timeout_s:.0f} s ({reasons})"
+                    )
+                self._lock.wait(min(left, 1.0))
+
+    def _release(self, replica: Replica) -> None:
+        with self._lock:
+            replica.in_flight -= 1
+            replica.served += 1
+            self._lock.notify_all()
+
+    def _mark_down(self, replica: Replica, reason: str) -> None:
+        with self._lock:
+            if not replica.up:
+                return
+            replica.up, replica.lost_reason = False, reason
+        threading.Thread(
+            target=self._probe, args=(replica,), name=f"omni-ray-probe-{self.stage_id}", daemon=True
+        ).start()
+
+    def _probe(self, replica: Replica) -> None:
+        """Ask a lost replica whether it is back (Ray restarts it, reloading the model); then take it back."""
+        while not self._closed:
+            try:
+                info = ray.get(replica.actor.describe.remote(), timeout=5.0)
+            except ActorDiedError as exc:  # restarts used up, or its node is gone for good
+                with self._lock:
+                    replica.lost_reason = f"gone: {_cause(exc)}"
+                log.error("stage %s replica %s is gone: %s", self.stage_id, replica.index, _cause(exc))
+                return
+            except (ActorUnavailableError, GetTimeoutError, RayActorError):
+                time.sleep(PROBE_S)
+                continue
+            with self._lock:
+                replica.node_id, replica.pid = info["node_id"], info["pid"]
+                replica.up, replica.lost_reason = True, ""
+                self._lock.notify_all()
+            log.warning("stage %s replica %s is back (pid %s)", self.stage_id, replica.index, replica.pid)
+            return
+
+    def _placement_hint(self, indexes: list[int], timeout: float) -> str:
+        wanted = {"CPU": self.actor_options["num_cpus"], **self.actor_options["resources"]}
+        if self.actor_options["num_gpus"]:
+            wanted["GPU"] = self.actor_options["num_gpus"]
+        try:
+            total, free = ray.cluster_resources(), ray.available_resources()
+        except Exception:  # the hint is best effort; the timeout itself is the error
+            total, free = {}, {}
+        shown = sorted(set(wanted) | {k for k in total if not k.startswith("node:") and "memory" not in k})
+        have = ", ".join(f"{k} {free.get(k, 0):g}/{total.get(k, 0):g}" for k in shown)
+        return (
+            f"stage {self.stage_id} replica(s) {', '.join(map(str, indexes))} not started within {timeout:.0f} s: "
+            f"each asks Ray for {wanted}; the cluster has (free/total) {have}. Add a node with those "
+            "resources, or change the stage's devices, resources or num_replicas (docs/distributed.md)"
+        )
+
+
+class _ReplicaLost(Exception):
+    """A replica was lost during a call; ``seen_any``: whether it had reported anything yet."""
+
+    def __init__(self, message: str, reason: str, seen_any: bool) -> None:
+        super().__init__(message)
+        self.message, self.reason, self.seen_any = message, reason, seen_any
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of Ray's error: what happened, without its long troubleshooting text."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+class RayPlacement:
+    """Builds the stage runners of one engine on a Ray cluster."""
+
+    def __init__(self, address: str, ray_config: RayConfig | None, model_cache: Path) -> None:
+        self.ray_config = ray_config or RayConfig()
+        self.address = address
+        self.namespace = self.ray_config.namespace or "omni-studio"
+        self.model_cache = Path(model_cache)
+        connect(address, self.namespace)
+
+    def runner(self, stage: ResolvedStage, model: ModelSource) -> RayStageRunner:
+        return RayStageRunner(
+            stage, model, ray_config=self.ray_config, namespace=self.namespace, model_cache=self.model_cache
+        )
