@@ -47,6 +47,7 @@ class Recording(Protocol):
         model_name: str,
         fingerprint: str | None,
         request_payload: dict[str, Any],
+        replay_of: str | None = None,
     ) -> RunTracking: ...
 
 
@@ -189,11 +190,17 @@ class RunService:
         model_name: str,
         fingerprint: str | None,
         payload: dict[str, Any],
+        replay_of: str | None = None,
     ) -> RunTracking:
-        """Record a new queued run for ``resolved`` (its id is the request id) and return its tracker."""
+        """Record a new queued run for ``resolved`` (its id is the request id) and return its tracker.
+
+        ``replay_of``: the recorded run this one replays (``studio/replay.py``); the store links them.
+        """
         if self.recorder is None:
             return NoTracking()
-        return self.recorder.start_run(self.source, resolved, engine.config, model_name, fingerprint, payload)
+        return self.recorder.start_run(
+            self.source, resolved, engine.config, model_name, fingerprint, payload, replay_of=replay_of
+        )
 
     def _observe(self, tracker: RunTracking, event: EngineEvent) -> None:
         tracker.observe(event)

@@ -56,6 +56,7 @@ RUN_FIELDS = (
     "text",
     "input_tokens",
     "output_tokens",
+    "replay_of",  # absent in bundles written before replays existed: imported as None
 )
 STAGE_FIELDS = (
     "variant_index",

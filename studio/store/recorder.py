@@ -341,8 +341,12 @@ class RunRecorder:
         model_name: str,
         fingerprint: str | None,
         request_payload: dict[str, Any],
+        replay_of: str | None = None,
     ) -> RunTracker:
-        """Record a new queued run for ``resolved`` and return its tracker (its id is the request id)."""
+        """Record a new queued run for ``resolved`` and return its tracker (its id is the request id).
+
+        ``replay_of``: the run this one replays (``omni-studio replay``, docs/replay.md).
+        """
         if source not in RUN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
         run_id = resolved.request_id
@@ -360,6 +364,7 @@ class RunRecorder:
             "fingerprint": fingerprint,
             "run_id": run_id,
             "created_at": created,
+            "replay_of": replay_of,
         }
         self._submit(f"create run {run_id}", "create_run", run_id, values)
         image = resolved.request.image
@@ -382,10 +387,12 @@ class RunRecorder:
         config: PipelineConfig | None,
         fingerprint: str | None,
         status: str = "failed",
+        replay_of: str | None = None,
     ) -> str:
         """Record a request refused before the engine ran it (bad field, unknown model, queue full...).
 
         Nothing a client sends is lost: the run shows in history as failed with the error text.
+        ``replay_of``: the run a refused replay was replaying.
         """
         if source not in RUN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
@@ -407,6 +414,7 @@ class RunRecorder:
             "fingerprint": fingerprint,
             "run_id": run_id,
             "created_at": created,
+            "replay_of": replay_of,
         }
         self._submit(f"record rejected request {run_id}", "create_run", run_id, values)
         finish = {"run_id": run_id, "status": status, "error": error, "at": created}

@@ -84,6 +84,7 @@ class RunSummary:
     error: str | None
     image_count: int
     thumbnail_sha256: str | None  # the first image, for galleries
+    replay_of: str | None = None  # the run this one replays (docs/replay.md); None for a fresh run
 
     @property
     def seconds(self) -> float | None:
@@ -121,6 +122,7 @@ class RunDetail:
     stages: list[StageRecord] = field(default_factory=list)
     outputs: list[OutputRecord] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the pipeline-config snapshot (PipelineConfig.to_dict())
+    replay_of: str | None = None  # the run this one replays (docs/replay.md); None for a fresh run
 
     @property
     def seconds(self) -> float | None:
@@ -147,6 +149,8 @@ class RunFilter:
     ``search`` is a case-insensitive prompt substring; ``status`` and ``source`` take one value or several;
     ``config_hash`` may be a prefix (the 8 digits shown in fingerprints); ``since``/``until`` bound
     ``created_at`` (inclusive), as datetimes (naive ones are taken as UTC) or ``time.time()`` stamps.
+    ``replay_of`` keeps the replays of one run; ``replays`` True keeps only replays, False only the runs
+    that replay nothing (docs/replay.md).
     """
 
     search: str | None = None
@@ -157,6 +161,8 @@ class RunFilter:
     source: str | Sequence[str] | None = None
     since: datetime | float | None = None
     until: datetime | float | None = None
+    replay_of: str | None = None
+    replays: bool | None = None
 
 
 @dataclass(frozen=True)

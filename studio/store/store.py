@@ -421,11 +421,13 @@ class RunStore:
         status: str = "queued",
         created_at: datetime | float | None = None,
         owner: str | None = None,
+        replay_of: str | None = None,
     ) -> str:
         """Record a new run and return its id (``run_id`` when given, else a fresh uuid hex).
 
         ``config`` is the pipeline config's ``to_dict()``; it is snapshotted once per hash. ``owner`` is the
         store instance recording the run (this one by default; a journal replay passes the journal's).
+        ``replay_of`` is the id of the run this one replays (``omni-studio replay``, docs/replay.md).
         """
         if source not in RUN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
@@ -447,6 +449,7 @@ class RunStore:
             "config_hash": config_hash,
             "fingerprint": fingerprint,
             "owner": owner or self.owner,
+            "replay_of": replay_of,
         }
         with self._write() as connection:
             if config is not None and config_hash is not None:  # the hash is computed above
@@ -679,6 +682,7 @@ class RunStore:
                 for o in run.outputs
             ],
             config=run.config.body if run.config is not None else None,
+            replay_of=run.replay_of,
         )
 
     @staticmethod
@@ -817,6 +821,10 @@ class RunStore:
                 )
             )
             conditions.append(prefix)
+        if flt.replay_of:
+            conditions.append(Run.replay_of == flt.replay_of)
+        if flt.replays is not None:
+            conditions.append(Run.replay_of.is_not(None) if flt.replays else Run.replay_of.is_(None))
         if flt.since is not None:
             conditions.append(Run.created_at >= as_datetime(flt.since))
         if flt.until is not None:
@@ -859,6 +867,7 @@ class RunStore:
             Run.fingerprint,
             Run.config_hash,
             Run.error,
+            Run.replay_of,
         )
         with self._read() as session:
             statement = self._filtered(select(*columns), filter, session)

@@ -87,6 +87,8 @@ def format_run_detail(run: RunDetail) -> str:
         ("config", config),
         ("tokens", tokens),
     ]
+    if run.replay_of:
+        fields.append(("replay of", run.replay_of))
     if run.error:
         fields.append(("error", run.error))
     width = max(len(name) for name, _ in fields)
