@@ -384,6 +384,7 @@ class OmniEngine:
         self._modalities = {s.stage_id: parse_output_modalities(s.engine_output_type) for s in config.stages}
         self.workers = {sid: _StageWorker(runner, self) for sid, runner in runners.items()}
         self.started_at = time.time()
+        self.ray_address: str | None = None  # the Ray cluster the stages run on (None: this process)
 
     # construction ---------------------------------------------------------------------------
 
@@ -427,7 +428,9 @@ class OmniEngine:
             for runner in runners.values():
                 runner.close()
             raise EngineBuildError(f"stage {stage.stage_id} ({stage.kind}) failed to start: {exc}") from exc
-        return cls(config, model, runners, max_pending=max_pending)
+        engine = cls(config, model, runners, max_pending=max_pending)
+        engine.ray_address = ray_address
+        return engine
 
     # requests ---------------------------------------------------------------------------------
 

@@ -77,6 +77,13 @@ def _options(groups: tuple[str, ...], defaults: bool, limits: tuple[str, ...] | 
             help="model name the API answers to (default: the model's name)",
         )
         s.add_argument("--host", default=_d("127.0.0.1"), help="address to listen on (default 127.0.0.1)")
+        s.add_argument(
+            "--ray-address",
+            default=_d(None),
+            metavar="ADDR",
+            help="run each stage as Ray actors on this cluster ('auto', HOST:6379, ray://HOST:10001; "
+            "needs omni-studio[ray]; docs/distributed.md)",
+        )
         s.add_argument("--port", type=int, default=_d(7860), help="port to listen on (default 7860)")
         s.add_argument(
             "--share",
@@ -144,6 +151,20 @@ def _options(groups: tuple[str, ...], defaults: bool, limits: tuple[str, ...] | 
             type=Path,
             metavar="DIR",
             help="where runs, outputs and built models live (default ~/.local/share/omni-studio)",
+        )
+        d.add_argument(
+            "--outputs",
+            default=_d(None),
+            metavar="URL|DIR",
+            help="where output files live: a folder, or an object store such as s3://bucket/prefix "
+            "(default: outputs/ in the data dir; docs/distributed.md)",
+        )
+        d.add_argument(
+            "--outputs-option",
+            action="append",
+            default=_d([]),
+            metavar="KEY=VALUE",
+            help="an fsspec storage option for --outputs, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable)",
         )
     return shared
 
@@ -339,6 +360,19 @@ def limits_from_args(args: argparse.Namespace) -> InputLimits:
         raise UserError(str(exc)) from exc
 
 
+def storage_options(pairs: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--outputs-option KEY=VALUE`` flags as pairs (a flag without ``=`` is an error naming it)."""
+    options = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UserError(
+                f"--outputs-option takes KEY=VALUE (e.g. endpoint_url=http://127.0.0.1:9000), got {pair!r}"
+            )
+        options.append((key.strip(), value))
+    return tuple(options)
+
+
 def settings_from_args(args: argparse.Namespace) -> StudioSettings:
     """The studio's settings, built once from the parsed command line (and the environment)."""
     auth: tuple[str, str] | None = None
@@ -365,6 +399,9 @@ def settings_from_args(args: argparse.Namespace) -> StudioSettings:
         limits=limits_from_args(args),
         image_reply=getattr(args, "image_reply", "content"),
         output_url_ttl=getattr(args, "output_url_ttl", 3600),
+        ray_address=getattr(args, "ray_address", None),
+        outputs=getattr(args, "outputs", None),
+        outputs_options=storage_options(getattr(args, "outputs_option", None) or []),
     )
     if settings.output_url_ttl < 1:
         raise UserError("--output-url-ttl must be at least 1 second")
@@ -542,10 +579,12 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
     import json
 
     from studio.store import AmbiguousRunId, BundleError, RunFilter, RunNotFound, StoreError, open_store
+    from studio.store.object_files import open_output_files
     from studio.store.terminal import format_run_detail, format_run_table
 
     try:
-        store = open_store(settings.db_url, settings.data_dir)
+        files = open_output_files(settings.data_dir, settings.outputs, settings.outputs_options)
+        store = open_store(settings.db_url, settings.data_dir, files)
     except StoreError as exc:
         raise UserError(str(exc)) from exc
     try:

@@ -141,7 +141,8 @@ class Studio:
         """Validate deploy YAML against the running model (and, by default, this machine's devices)."""
         try:
             config = pipeline_config_from_text(self.model, text, self.ar_backend)
-            problems = device_problems(config) if check_devices else []
+            # On a Ray cluster a stage's devices are its node's, not this machine's (docs/distributed.md).
+            problems = device_problems(config) if check_devices and not self.engine.ray_address else []
         except DeployConfigError as exc:
             return ValidationReport(False, exc.problems)
         if problems:
@@ -195,6 +196,7 @@ class Studio:
                     data_dir=self.data_dir,
                     ar_backend=self.ar_backend,
                     max_pending=self.engine.max_pending,
+                    ray_address=self.engine.ray_address,
                 )
             except (EngineBuildError, DeployConfigError, ValueError) as exc:
                 raise ApplyFailed(str(exc)) from exc

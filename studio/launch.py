@@ -77,6 +77,7 @@ def start_engine(settings: StudioSettings, max_pending: int = 64) -> OmniEngine:
             data_dir=settings.data_dir,
             ar_backend=settings.ar_backend,
             max_pending=max_pending,
+            ray_address=settings.ray_address,
         )
     except DeployConfigError as exc:
         raise StartupError(exc.render()) from exc
@@ -87,10 +88,12 @@ def start_engine(settings: StudioSettings, max_pending: int = 64) -> OmniEngine:
 def open_recorder(settings: StudioSettings) -> RunRecorder:
     """The run store (opened and migrated) behind its writer thread."""
     from studio.store import StoreError, open_store
+    from studio.store.object_files import open_output_files
     from studio.store.recorder import RunRecorder
 
     try:
-        return RunRecorder(open_store(settings.db_url, settings.data_dir))
+        files = open_output_files(settings.data_dir, settings.outputs, settings.outputs_options)
+        return RunRecorder(open_store(settings.db_url, settings.data_dir, files))
     except StoreError as exc:
         raise StartupError(str(exc)) from exc
 

@@ -38,6 +38,11 @@ class StudioSettings:
     limits: InputLimits = field(default_factory=InputLimits)  # what a request may carry (--max-* flags)
     image_reply: str = "content"  # chat images: list content, or "images" (message.images): --image-reply
     output_url_ttl: int = 3600  # seconds a signed /v1/outputs URL works (with an API key): --output-url-ttl
+    # Past one machine (docs/distributed.md): stages as Ray actors on this cluster (--ray-address), and
+    # the output files in an object store (--outputs s3://bucket/prefix, with --outputs-option KEY=VALUE).
+    ray_address: str | None = None
+    outputs: str | None = None  # None: <data_dir>/outputs
+    outputs_options: tuple[tuple[str, str], ...] = ()
 
     def deploy_text(self) -> str | None:
         """The deploy YAML the studio started with (shown and edited in the Pipeline tab)."""

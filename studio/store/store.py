@@ -167,12 +167,13 @@ class RunStore:
     Open with :func:`open_store`. Thread-safe.
     """
 
-    def __init__(self, engine: Engine, data_dir: Path) -> None:
+    def __init__(self, engine: Engine, data_dir: Path, files: OutputFiles | None = None) -> None:
         self.engine = engine
         if not event.contains(engine, "before_execute", _storable_parameters):
             event.listen(engine, "before_execute", _storable_parameters, retval=True)
         self.data_dir = Path(data_dir)
-        self.files = OutputFiles.in_data_dir(self.data_dir)  # the output files' layout lives there
+        # The output files' layout lives there; ``files`` may keep them in an object store (--outputs).
+        self.files = files if files is not None else OutputFiles.in_data_dir(self.data_dir)
         self.outputs_dir = self.files.root
         self.dialect = engine.dialect.name
         self.owner = _new_owner()
@@ -192,7 +193,7 @@ class RunStore:
     # opening and closing ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, url: str | None, data_dir: Path) -> RunStore:
+    def open(cls, url: str | None, data_dir: Path, files: OutputFiles | None = None) -> RunStore:
         """Connect, migrate to the newest schema, claim an owner id, interrupt orphaned runs."""
         data_dir = Path(data_dir).expanduser()
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +202,7 @@ class RunStore:
             engine = create_store_engine(url)
         except (SQLAlchemyError, ValueError, ImportError) as exc:
             raise StoreError(f"cannot use run database {url!r}: {exc}") from exc
-        store = cls(engine, data_dir)
+        store = cls(engine, data_dir, files)
         try:
             upgrade_schema(engine)
             store._check_search_index()
@@ -1136,10 +1137,10 @@ class RunStore:
             yield connection
 
 
-def open_store(url: str | None, data_dir: Path) -> RunStore:
+def open_store(url: str | None, data_dir: Path, files: OutputFiles | None = None) -> RunStore:
     """Open (creating and migrating as needed) the run store; ``url`` None means SQLite in ``data_dir``.
 
     Runs left queued/running by a process that is gone are marked ``interrupted``; how many is in
     ``store.interrupted_at_open``. Raises :class:`StoreError` when the database cannot be used.
     """
-    return RunStore.open(url, data_dir)
+    return RunStore.open(url, data_dir, files)
