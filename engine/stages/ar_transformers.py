@@ -408,10 +408,12 @@ class TransformersARStage(StageRunner):
         scores = row.logits
         assert scores is not None
         if row.processors:
-            # torch annotates every tensor as Tensor; Long/FloatTensor are transformers' names.
-            scores = row.processors(
-                cast(torch.LongTensor, row.sequence[None, : row.length]), cast(torch.FloatTensor, scores)
-            )
+            # The LEAN_PROCESSORS in order, called directly: LogitsProcessorList.__call__ would inspect
+            # each one's signature on every token. torch annotates every tensor as Tensor; Long/FloatTensor
+            # are transformers' names.
+            seen = cast(torch.LongTensor, row.sequence[None, : row.length])
+            for processor in row.processors:
+                scores = processor(seen, cast(torch.FloatTensor, scores))
         if row.sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
             token = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]

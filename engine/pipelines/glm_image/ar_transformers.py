@@ -50,12 +50,13 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
-    """``GlmImageRMSNorm.forward`` op for op, without the module call (a third of a decode step's calls)."""
+    """``GlmImageRMSNorm.forward`` op for op, without the module call (a third of a decode step's calls);
+    the casts to and from float32 are skipped when they would be no-ops."""
     dtype = x.dtype
-    hidden = x.to(torch.float32)
+    hidden = x if dtype == torch.float32 else x.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
+    return norm.weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
 
 
 # Intra-op threads pay only when one token's matrices are big enough to split; below this hidden size
@@ -89,6 +90,15 @@ class GlmImageDecoder:
             and not model.training
         )
         self.threads = 1 if config.hidden_size < SINGLE_THREAD_HIDDEN_SIZE else None
+
+    _perm: torch.Tensor | None = None
+
+    def _rotate_half_index(self, rotary: int, device: torch.device) -> torch.Tensor:
+        """The gather index of ``rotate_half`` (second half, then first), built once."""
+        if self._perm is None or self._perm.numel() != rotary or self._perm.device != device:
+            half = rotary // 2
+            self._perm = torch.cat([torch.arange(half, rotary), torch.arange(half)]).to(device)
+        return self._perm
 
     def supports(self, model_inputs: dict[str, Any]) -> bool:
         mask = model_inputs.get("attention_mask")
@@ -140,11 +150,13 @@ class GlmImageDecoder:
             if row.length >= row.keys[0].shape[2]:
                 raise RuntimeError(f"GLM-Image decode ran past its {row.keys[0].shape[2]} cache positions")
         hidden = F.embedding(tokens[:, None], text.embed_tokens.weight)  # (B, 1, D)
-        cos = torch.stack([row.cos[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
-        sin = torch.stack([row.sin[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
+        if batch == 1:
+            cos, sin = rows[0].cos[steps[0]][None, None, None], rows[0].sin[steps[0]][None, None, None]
+        else:
+            cos = torch.stack([row.cos[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
+            sin = torch.stack([row.sin[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
         rotary = cos.shape[-1]
-        half = rotary // 2
-        perm = torch.cat([torch.arange(half, rotary), torch.arange(half)]).to(tokens.device)
+        perm = self._rotate_half_index(rotary, tokens.device)
 
         def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for one of q / k
             x_rot = x[..., :rotary]
