@@ -284,6 +284,8 @@ class _StageWorker:
     def _loop(self) -> None:
         if self.runner.concurrent:
             return self._concurrent_loop()
+        if self.runner.intra_op_threads is not None:
+            torch.set_num_threads(self.runner.intra_op_threads)  # this thread's setting only
         while True:
             batch = self._take_batch()
             if batch is None:

@@ -39,7 +39,7 @@ from transformers.generation.logits_process import (
 
 from engine.events import FinishReason, StageStatus, TokenProgress
 from engine.modality import OutputModality
-from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner
+from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, intra_op_threads_for
 
 # The RNG is process-global: two AR stages (two engines in one process) must not interleave seeding.
 GLOBAL_RNG_LOCK = threading.Lock()
@@ -99,10 +99,6 @@ class FastDecoder(Protocol):
     ``step`` must give every row exactly the logits it would get alone (same float math), so that
     batching never changes a request's tokens.
     """
-
-    # Intra-op threads for the decode thread (``torch.set_num_threads`` there, a per-thread setting), or
-    # None to keep the process's: tiny models decode faster on one (docs/batching.md).
-    threads: int | None
 
     def supports(self, model_inputs: dict[str, Any]) -> bool:
         """Whether these inputs can take the lean loop (else ``generate``)."""
@@ -218,6 +214,12 @@ class TransformersARStage(StageRunner):
         """The family's lean decode step, or None to always use ``generate`` (the default)."""
         return None
 
+    @property
+    def intra_op_threads(self) -> int | None:
+        if self.model is None:
+            return None
+        return intra_op_threads_for([self.model], self.device)
+
     # -- continuous batching --------------------------------------------------------------------------
     # With a lean decoder the runner is ``concurrent``: the stage worker hands it each job as it arrives
     # (up to max_num_seqs in flight) and one scheduler thread prefills newcomers alone, then adds them to
@@ -253,9 +255,8 @@ class TransformersARStage(StageRunner):
         inbox = self._inbox
         assert inbox is not None
         rows: list[_Row] = []
-        decoder = self.fast_decoder()
-        if decoder is not None and decoder.threads is not None:
-            torch.set_num_threads(decoder.threads)  # this thread's OpenMP setting only
+        if self.intra_op_threads is not None:
+            torch.set_num_threads(self.intra_op_threads)  # this thread's setting only
         with torch.inference_mode():
             while True:
                 arrivals: list[tuple[StageJob, JobDone] | None] = []

@@ -72,6 +72,21 @@ class StageJob:
 JobDone = Callable[[StageStatus, "Exception | None"], None]  # (status, error)
 
 
+# A model this small is dispatch-bound on a CPU: its matrices are too small to split across cores, and
+# the OpenMP fork/join of every op costs more than it saves (worse still when the cores are busy). Its
+# stage runs on one intra-op thread, which also lets two stages overlap on two cores (AR of one request
+# while another's DiT denoises). The float math does not change (same PNG bytes: docs/batching.md).
+SINGLE_THREAD_MAX_PARAMETERS = 50_000_000
+
+
+def intra_op_threads_for(modules: list[torch.nn.Module], device: torch.device) -> int | None:
+    """1 for small models on a CPU (see SINGLE_THREAD_MAX_PARAMETERS), else None (the process's)."""
+    if device.type != "cpu":
+        return None
+    parameters = sum(p.numel() for module in modules for p in module.parameters())
+    return 1 if parameters <= SINGLE_THREAD_MAX_PARAMETERS else None
+
+
 class StageRunner(ABC):
     """Runs one stage's model.
 
@@ -97,6 +112,12 @@ class StageRunner(ABC):
     @property
     def stage_id(self) -> int:
         return self.stage.stage_id
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        """Intra-op threads for the thread that runs this stage's model (``torch.set_num_threads`` there,
+        a per-thread setting), or None to keep the process's; see :func:`intra_op_threads_for`."""
+        return None
 
     @property
     def max_batch_size(self) -> int:

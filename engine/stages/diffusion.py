@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from engine.events import DiffusionStep
-from engine.stages.base import StageCancelled, StageJob, StageRunner
+from engine.stages.base import StageCancelled, StageJob, StageRunner, intra_op_threads_for
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -48,7 +48,16 @@ class DiffusersStage(StageRunner):
         pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
+        self._threads = intra_op_threads_for(
+            [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)], self.device
+        )
         self.loaded = True
+
+    _threads: int | None = None
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        return self._threads
 
     def close(self) -> None:
         self.pipe = None

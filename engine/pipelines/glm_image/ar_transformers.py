@@ -59,12 +59,6 @@ def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
 
 
-# Intra-op threads pay only when one token's matrices are big enough to split; below this hidden size
-# (the tiny built-in models) the OpenMP fork/join of every op costs more than it saves: the decode thread
-# runs its ops on one thread (a per-thread setting; other stages keep theirs). Measured in docs/batching.md.
-SINGLE_THREAD_HIDDEN_SIZE = 512
-
-
 class GlmImageDecoder:
     """The lean decode step for ``GlmImageForConditionalGeneration`` (text-to-image prompts).
 
@@ -89,7 +83,6 @@ class GlmImageDecoder:
             and config.num_attention_heads == config.num_key_value_heads
             and not model.training
         )
-        self.threads = 1 if config.hidden_size < SINGLE_THREAD_HIDDEN_SIZE else None
 
     _perm: torch.Tensor | None = None
 
