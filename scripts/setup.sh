@@ -66,13 +66,17 @@ log "installing torch 2.13.0 ($([ "$has_gpu" = 1 ] && echo GPU || echo CPU) buil
 "${pip[@]}" install "${torch_src[@]}" "torch==2.13.0"
 
 extras="studio"
-[ "$mode" = test ] && extras="studio,test"
+[ "$mode" = test ] && extras="studio,test,ray"  # the Ray and object-store tests need the ray extra
 log "installing omni-studio[$extras]"
 "${pip[@]}" install "${torch_src[@]}" -e ".[$extras]"
 
 # shellcheck source=scripts/install_vllm.sh
 source scripts/install_vllm.sh
 install_vllm "$has_gpu"
+
+# Nothing may have swapped torch for another build (ray, s3fs and vLLM all arrive after it).
+.venv/bin/python -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' \
+  || { log "torch is no longer 2.13.0 after the installs: $(.venv/bin/python -c 'import torch; print(torch.__version__)')"; exit 1; }
 
 rm -f .venv/.omni-setup-*-"$mode"
 touch "$stamp"

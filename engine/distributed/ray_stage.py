@@ -617,9 +617,17 @@ class _ReplicaLost(Exception):
 
 
 def _cause(exc: BaseException) -> str:
-    """The first line of Ray's error: what happened, without its long troubleshooting text."""
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    """Ray's error in one line: what happened and, for an error raised inside the actor, that error
+    (the last line of its traceback), without Ray's long troubleshooting text."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    head = lines[0]
+    if "creation task" in head or "Traceback" in str(exc):
+        last = lines[-1]
+        if last != head:
+            return f"{head.split(',')[0]}: {last}"[:500]
+    return head[:300]
 
 
 class RayPlacement:
