@@ -12,6 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from studio.store import StoreError, open_store
 from studio.store.models import Base
@@ -198,17 +199,86 @@ def _check_after_0004(connection: Connection) -> None:
     assert [tuple(r) for r in rows] == [("r1", None), ("r2", None)]
 
 
+def _added_0005(connection: Connection) -> None:
+    assert {"jobs", "job_items"} <= tables(connection)
+    assert {
+        "id",
+        "status",
+        "owner",
+        "spec",
+        "total",
+        "succeeded",
+        "failed",
+        "cancelled",
+        "position",
+        "worker",
+        "grid_sha256",
+        "grid_run_id",
+    } <= columns(connection, "jobs")
+    assert {"job_id", "index", "axes", "status", "run_id", "attempts"} <= columns(connection, "job_items")
+    inspector = inspect(connection)
+    assert "ix_jobs_status_position" in {i["name"] for i in inspector.get_indexes("jobs")}
+    assert "ix_job_items_run_id" in {i["name"] for i in inspector.get_indexes("job_items")}
+    unique = {tuple(u["column_names"]) for u in inspector.get_unique_constraints("job_items")}
+    assert ("job_id", "index") in unique
+    # A cell exists once per job: a second row for the same (job, index) is refused by the database.
+    connection.execute(
+        text(
+            "INSERT INTO jobs (id, created_at, status, source, spec, total, succeeded, failed, cancelled, "
+            "position) VALUES ('j0', :t, 'queued', 'api', '{}', 1, 0, 0, 0, 1)"
+        ),
+        {"t": NOW},
+    )
+    item = text(
+        "INSERT INTO job_items (job_id, \"index\", axes, status, attempts) VALUES ('j0', 0, '{}', 'queued', 0)"
+    )
+    connection.execute(item)
+    with pytest.raises(IntegrityError), connection.begin_nested():
+        connection.execute(item)
+    connection.rollback()
+
+
+def _removed_0005(connection: Connection) -> None:
+    assert not {"jobs", "job_items"} & tables(connection)
+    assert search_index_present(connection)  # the runs table and its search index are untouched
+
+
+def _check_after_0005(connection: Connection) -> None:
+    _check_after_0004(connection)
+    assert connection.execute(text("SELECT count(*) FROM jobs")).scalar() == 0
+    # Jobs can reference the runs recorded before the migration (cells and runs link by id).
+    connection.execute(
+        text(
+            "INSERT INTO jobs (id, created_at, status, source, spec, total, succeeded, failed, cancelled, "
+            "position) VALUES ('j1', :t, 'succeeded', 'cli', '{\"prompts\": [\"a fox\"]}', 1, 1, 0, 0, 1)"
+        ),
+        {"t": NOW},
+    )
+    connection.execute(
+        text(
+            'INSERT INTO job_items (job_id, "index", axes, status, run_id, attempts) '
+            "VALUES ('j1', 0, '{\"seed\": 3}', 'succeeded', 'r1', 1)"
+        )
+    )
+    row = connection.execute(
+        text("SELECT r.prompt FROM job_items i JOIN runs r ON r.id = i.run_id WHERE i.job_id = 'j1'")
+    ).one()
+    assert row[0] == "a fox"
+
+
 ADDED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_added_0001, _removed_0001),
     "0002": (_added_0002, _removed_0002),
     "0003": (_added_0003, _removed_0003),
     "0004": (_added_0004, _removed_0004),
+    "0005": (_added_0005, _removed_0005),
 }
 POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_populate_before_0001, _check_after_0001),
     "0002": (_populate_before_0002, _check_after_0002),
     "0003": (_populate_before_0003, _check_after_0003),
     "0004": (_populate_before_0002, _check_after_0004),
+    "0005": (_populate_before_0002, _check_after_0005),
 }
 
 

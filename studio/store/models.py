@@ -26,10 +26,13 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-RUN_SOURCES = ("ui", "api", "cli")
+RUN_SOURCES = ("ui", "api", "cli", "job")  # job: a cell of a batch job, or its grid (studio/jobs.py)
 RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
 ACTIVE_STATUSES = ("queued", "running")  # a run in one of these has a live process recording it
 OUTPUT_KINDS = ("image", "text", "source")  # source: the input image of an image-to-image run
+JOB_SOURCES = ("ui", "api", "cli")  # where a batch job was submitted
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+ACTIVE_JOB_STATUSES = ("queued", "running")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -169,6 +172,60 @@ class Output(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
 
     run: Mapped[Run] = relationship(back_populates="outputs")
+
+
+class Job(Base):
+    """A batch job: prompts x seeds x up to two parameter axes, run cell by cell (``studio/jobs.py``).
+
+    ``spec`` is the normalized job (seeds and model pinned at submission, so a resumed job runs what was
+    asked); ``position`` orders the queue (lower runs first; the Queue panel swaps it to move a job);
+    ``worker`` is the store instance (``runs.owner`` format) whose process runs the job, so a job whose
+    process died is taken over by the next studio that starts.
+    """
+
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_status_position", "status", "position"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # uuid4 hex
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    status: Mapped[str] = mapped_column(String(16))
+    source: Mapped[str] = mapped_column(String(8))
+    owner: Mapped[str | None] = mapped_column(String(200), index=True)  # who submitted it (may cancel it)
+    name: Mapped[str | None] = mapped_column(String(255))
+    spec: Mapped[dict[str, Any]]
+    total: Mapped[int] = mapped_column(default=0)  # cells
+    succeeded: Mapped[int] = mapped_column(default=0)
+    failed: Mapped[int] = mapped_column(default=0)
+    cancelled: Mapped[int] = mapped_column(default=0)
+    position: Mapped[int] = mapped_column(BigInteger, default=0)
+    worker: Mapped[str | None] = mapped_column(String(160), index=True)
+    grid_sha256: Mapped[str | None] = mapped_column(String(64))
+    grid_run_id: Mapped[str | None] = mapped_column(String(32))
+    error: Mapped[str | None] = mapped_column(Text)
+
+    items: Mapped[list[JobItem]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", passive_deletes=True, order_by="JobItem.index"
+    )
+
+
+class JobItem(Base):
+    """One cell of a job: its axes values and the run that made it (written before the run starts)."""
+
+    __tablename__ = "job_items"
+    __table_args__ = (UniqueConstraint("job_id", "index", name="uq_job_items_job_index"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int]
+    axes: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16))
+    run_id: Mapped[str | None] = mapped_column(String(32), index=True)  # no FK: the run is written later
+    attempts: Mapped[int] = mapped_column(default=0)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    job: Mapped[Job] = relationship(back_populates="items")
 
 
 def table_of(model: type[Base]) -> Table:
