@@ -321,6 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--all", action="store_true", help="every finished run (when no filter is given)")
     prune.add_argument("--dry-run", action="store_true", help="print how many runs match; delete nothing")
     prune.add_argument("--vacuum", action="store_true", help="then give the space back (VACUUM; see docs)")
+
+    from studio.replay_cli import add_replay_arguments  # light: argparse only
+
+    replay = command(
+        "replay",
+        ("model", "storage"),
+        "re-run recorded runs with their exact parameters and report what changed "
+        "(exit 0 all identical, 1 some changed, 2 some failed; docs/replay.md)",
+        (
+            "omni-studio replay --filter search=circle   # each run on its own recorded model and config",
+            "omni-studio replay --filter model=tiny-glm-shapes --report report.md",
+            "omni-studio replay --ids 3f2a 9c01 --deploy-config new.yaml --report report.json",
+        ),
+    )
+    add_replay_arguments(replay)
     return parser
 
 
@@ -631,6 +646,12 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
         store.close()
 
 
+def cmd_replay(args: argparse.Namespace, settings: StudioSettings) -> int:
+    from studio.replay_cli import replay_command
+
+    return replay_command(args, settings)
+
+
 def cmd_not_ready(args: argparse.Namespace, settings: StudioSettings) -> int:
     raise UserError(f"'omni-studio {args.command}' is not available in this build yet")
 
@@ -649,6 +670,7 @@ def cmd_serve(args: argparse.Namespace, settings: StudioSettings) -> int:
 
 COMMANDS = {
     "history": cmd_history,
+    "replay": cmd_replay,
     "run": cmd_run,
     "serve": cmd_serve,
     "ui": cmd_ui,

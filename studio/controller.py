@@ -97,8 +97,9 @@ class Studio:
         self.ar_backend = ar_backend
         self.deploy_text = deploy_text if deploy_text is not None else self.default_deploy_text(engine.model)
         files = store.files if store is not None else OutputFiles.in_data_dir(self.data_dir)
-        self.runs = RunService(recorder, "ui", files, limits=serving.options.limits)
+        self.runs = RunService(recorder, "ui", files, limits=serving.options.limits, board=serving.board)
         self.share = ShareInfo()
+        self.admin_user: str | None = None  # the --auth login: may cancel and move anything (Queue tab)
         self.base_url = ""
         self._apply_lock = threading.Lock()
 
@@ -302,7 +303,7 @@ class Studio:
         if client is not None and not slots.acquire(client):
             raise self.runs.reject(RunRejected("client_limit", slots.message()), tracker)
         stopped = "stopped from the studio"
-        events = self.runs.events(engine, resolved, tracker, stopped=stopped)
+        events = self.runs.events(engine, resolved, tracker, stopped=stopped, owner=client)
         pending: asyncio.Future[EngineEvent] | None = None
         try:
             last_ahead: int | None = None
@@ -341,51 +342,14 @@ class Studio:
         return str(kept[1])
 
     def request_from_run(self, run_id: str) -> tuple[GenerationRequest, Any]:
-        """The request that reproduces a recorded run: same prompt, parameters, seed and source image."""
-        from PIL import Image
-
-        from engine import ChatTurn
-        from studio.api.inputs import params_from_fields
+        """The request that reproduces a recorded run: same prompt, parameters, seed and source image
+        (what a replay sends: :func:`studio.replay.request_for_replay`)."""
+        from studio.replay import request_for_replay
 
         if self.store is None:
             raise RuntimeError("the studio runs without a run store")
         detail = self.store.get_run(run_id)
-        params = dict(detail.parameters)
-        fields = {
-            k: params.get(k)
-            for k in (
-                "seed",
-                "height",
-                "width",
-                "num_inference_steps",
-                "guidance_scale",
-                "negative_prompt",
-                "temperature",
-                "top_p",
-                "top_k",
-                "n",
-            )
-        }
-        if self.config.family == "chat":
-            fields["max_tokens"] = params.get("max_tokens")
-        image = None
-        source = next((o for o in detail.outputs if o.kind == "source"), None)
-        if source is not None:
-            with Image.open(source.path) as opened:
-                image = opened.convert("RGB")
-        history: tuple[ChatTurn, ...] = ()
-        messages = (detail.request or {}).get("messages")
-        if isinstance(messages, list) and len(messages) > 1:
-            history = tuple(
-                ChatTurn(m.get("role", "user"), m["content"])
-                for m in messages[:-1]
-                if isinstance(m, dict) and isinstance(m.get("content"), str)
-            )
-        modalities = tuple(OutputModality(m) for m in params.get("modalities") or []) or None
-        request = GenerationRequest(
-            detail.prompt, params_from_fields(fields), image=image, history=history, modalities=modalities
-        )
-        return request, detail
+        return request_for_replay(detail, self.config).request, detail
 
     def cancel(self, run_id: str | None) -> bool:
         return bool(run_id) and self.engine.cancel(run_id)

@@ -1,5 +1,6 @@
 """The History tab: every run from the UI, the API and the CLI — search and filters, a gallery, run
-detail with per-stage timings, Re-run with the exact parameters, Compare two runs, export/import, delete."""
+detail with per-stage timings, Re-run with the exact parameters, Compare two runs, export/import, delete,
+and Replay with a regression report (studio/ui/replay.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import yaml
 from engine.events import RunFailed, RunFinished
 from studio.controller import Studio
 from studio.media import png_bytes
+from studio.ui.replay import build_replay_section
 
 PAGE_SIZE = 50
 COLUMNS = ["id", "created", "source", "status", "model", "prompt", "seconds", "seed", "fingerprint", "config"]
@@ -110,6 +112,8 @@ def detail_markdown(detail: Any) -> str:
         f"**Seed** {detail.seed} · **fingerprint** `{detail.fingerprint or 'none'}` · **config** "
         f"`{(detail.config_hash or '')[:8]}`",
     ]
+    if detail.replay_of:
+        lines.append(f"**Replay of** `{detail.replay_of}`")
     if detail.text:
         lines.append(f"**Text output:** {html.escape(detail.text[:2000])}")
     if detail.error:
@@ -181,6 +185,7 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             import_status = gr.Markdown("")
 
     filters = [search, status, model, fingerprint, config_hash, since, until]
+    build_replay_section(studio, run_id, filters, run_filter)  # full width, below run detail and compare
     ids_state = gr.State([])
     # What "Load more" continues: the filter as searched, the runs and thumbnails shown, the keyset cursor.
     page_state = gr.State(None)

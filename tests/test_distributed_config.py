@@ -1,0 +1,235 @@
+"""Past one machine, without a cluster: the deploy keys for Ray placement and vLLM's scale-out (checked with
+errors naming the key), their place in the config hash, the CLI flags, and output files in an object store
+(moto's S3 server on 127.0.0.1). The Ray cluster tests are in tests/test_ray.py (docs/distributed.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.config import DeployConfigError
+from engine.engine import build_engine, build_pipeline_config
+from engine.models import describe_model
+from studio.cli import main
+
+SHAPES = describe_model("tiny-glm-shapes")
+
+
+def problems(deploy: dict) -> list[str]:
+    with pytest.raises(DeployConfigError) as info:
+        build_pipeline_config(SHAPES, deploy)
+    return [str(p) for p in info.value.problems]
+
+
+def test_placement_keys_are_checked_with_the_key_and_the_allowed_values() -> None:
+    found = problems(
+        {
+            "ray": {"adress": "auto", "max_restarts": -2},
+            "stages": [{"stage_id": 1, "num_replicas": 0, "resources": {"GPU": 1}}],
+        }
+    )
+    assert any(
+        "ray.adress: unknown key 'adress'; allowed keys: address, max_restarts, namespace, start_timeout_s"
+        in p
+        for p in found
+    ), found
+    assert any("ray.max_restarts" in p and "greater than or equal to -1" in p for p in found), found
+    assert any(p.startswith("stage 1: num_replicas") for p in found), found
+    assert any("stage 1: resources" in p and "ask for GPUs with devices" in p for p in found), found
+    bad_amount = problems({"stages": [{"stage_id": 1, "resources": {"node_b": 0}}]})
+    assert any("resource 'node_b' must be a positive number" in p for p in bad_amount), bad_amount
+
+
+def test_vllm_scale_out_keys_are_checked() -> None:
+    found = problems(
+        {
+            "stages": [
+                {
+                    "stage_id": 0,
+                    "backend": "transformers",
+                    "tensor_parallel_size": 2,
+                    "distributed_executor_backend": "ray",
+                },
+                {"stage_id": 1, "distributed_executor_backend": "mp"},
+            ]
+        }
+    )
+    assert (
+        "stage 0: tensor_parallel_size: tensor_parallel_size 2 needs vLLM; use backend: vllm (or auto), or tensor_parallel_size: 1"
+        in found
+    )
+    assert any(p.startswith("stage 0: distributed_executor_backend: is vLLM's executor") for p in found)
+    assert any(
+        p.startswith("stage 1: distributed_executor_backend: applies to AR stages on vLLM") for p in found
+    )
+    few_gpus = problems({"stages": [{"stage_id": 0, "devices": "0", "tensor_parallel_size": 2}]})
+    assert any(
+        "needs 2 GPUs but devices '0' lists 1" in p and "distributed_executor_backend: ray" in p
+        for p in few_gpus
+    )
+    unknown = problems({"stages": [{"stage_id": 0, "distributed_executor_backend": "slurm"}]})
+    assert any("distributed_executor_backend" in p and "'ray', 'mp' or 'uni'" in p for p in unknown), unknown
+    # With Ray, vLLM places its workers itself: more workers than local GPUs is fine.
+    build_pipeline_config(
+        SHAPES,
+        {
+            "stages": [
+                {
+                    "stage_id": 0,
+                    "devices": "0",
+                    "tensor_parallel_size": 2,
+                    "distributed_executor_backend": "ray",
+                }
+            ]
+        },
+    )
+
+
+def test_placement_stays_out_of_the_config_hash_and_in_the_snapshot() -> None:
+    plain = build_pipeline_config(SHAPES, None)
+    placed = build_pipeline_config(
+        SHAPES,
+        {
+            **_preset(),
+            "ray": {"address": "auto", "namespace": "team-a"},
+            "stages": [
+                {**_preset()["stages"][0], "resources": {"node_a": 1}},
+                {**_preset()["stages"][1], "num_replicas": 2, "resources": {"dit": 1}},
+            ],
+        },
+    )
+    assert placed.config_hash() == plain.config_hash()  # where a stage runs changes no output
+    stage1 = placed.to_dict()["stages"][1]["engine_args"]
+    assert stage1["num_replicas"] == 2 and stage1["resources"] == {"dit": 1.0}
+    assert "num_replicas" not in plain.to_dict()["stages"][1]["engine_args"]  # unset keys stay out
+    assert placed.ray is not None and placed.ray.namespace == "team-a"
+
+
+def _preset() -> dict:
+    import yaml
+
+    from engine.paths import DEPLOY_PRESETS_DIR
+
+    return yaml.safe_load((DEPLOY_PRESETS_DIR / "tiny-glm-shapes.yaml").read_text())
+
+
+def test_a_ray_section_without_an_address_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    with pytest.raises(DeployConfigError) as info:
+        build_engine("tiny-glm-shapes", {**_preset(), "ray": {"namespace": "x"}}, data_dir=tmp_path)
+    assert "ray.address" in str(info.value) and "--ray-address" in str(info.value)
+
+
+def test_cli_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    for command in ("serve", "ui"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert (
+            "--ray-address ADDR" in out and "--outputs URL|DIR" in out and "--outputs-option KEY=VALUE" in out
+        )
+    deploy = tmp_path / "ray.yaml"
+    deploy.write_text(
+        "ray: {address: auto}\nstages:\n- {stage_id: 1, num_replicas: 2, resources: {dit: 1}}\n"
+    )
+    assert main(["validate", str(deploy), "--model", "tiny-glm-shapes"]) == 0
+    assert main(["history", "ls", "--data-dir", str(tmp_path), "--outputs-option", "endpoint_url"]) != 0
+    assert "--outputs-option takes KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_vllm_gets_the_scale_out_args(model_cache: Path) -> None:
+    pytest.importorskip("vllm")
+    from engine.models import materialize
+    from engine.pipelines.glm_image.ar_vllm import VllmGlmImageARStage
+
+    source = materialize(SHAPES, model_cache)
+    config = build_pipeline_config(
+        source,
+        {
+            "stages": [
+                {
+                    "stage_id": 0,
+                    "backend": "vllm",
+                    "devices": "cpu",
+                    "tensor_parallel_size": 2,
+                    "pipeline_parallel_size": 2,
+                    "distributed_executor_backend": "ray",
+                }
+            ]
+        },
+    )
+    import torch
+
+    stage = VllmGlmImageARStage(config.stage(0), source.path, torch.device("cpu"))
+    args = stage.engine_args("inproc")
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 2)
+    assert args.distributed_executor_backend == "ray"
+
+
+# -- output files in an object store ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = {
+        k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
+    )
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=f"http://{host}:{port}").mkdir("shared")
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
+
+
+def test_output_files_in_an_object_store_are_shared_between_studios(s3_endpoint: str, tmp_path: Path) -> None:
+    from studio.store.object_files import ObjectStoreFiles, open_output_files
+
+    options = [("endpoint_url", s3_endpoint)]
+    one = open_output_files(tmp_path / "one", "s3://shared/outputs", options)
+    two = open_output_files(tmp_path / "two", "s3://shared/outputs", options)
+    assert isinstance(one, ObjectStoreFiles)
+    data = b"\x89PNG not really"
+    sha, path = one.write(data)
+    assert path.read_bytes() == data and sha == hashlib.sha256(data).hexdigest()
+    assert one.fs.cat_file(f"shared/outputs/{sha[:2]}/{sha}.png") == data
+    # The other studio has nothing cached: the path fetches it (and find does too).
+    assert two.path(sha).read_bytes() == data
+    shutil.rmtree(two.root)
+    assert two.find(sha) is not None and two.find(sha).read_bytes() == data  # type: ignore[union-attr]
+    # Bytes in the store that do not match their name are never served.
+    bogus = hashlib.sha256(b"other").hexdigest()
+    one.fs.pipe_file(one.remote_path(bogus), b"tampered")
+    assert not two.path(bogus).exists()
+    one.remove(sha)
+    shutil.rmtree(two.root)
+    assert not two.path(sha).exists()
+    # A local folder and the default stay plain folders.
+    assert type(open_output_files(tmp_path, str(tmp_path / "out"))).__name__ == "OutputFiles"
+
+
+def test_an_unusable_object_store_fails_at_start_naming_it(s3_endpoint: str, tmp_path: Path) -> None:
+    from studio.store.errors import StoreError
+    from studio.store.object_files import open_output_files
+
+    with pytest.raises(StoreError) as info:
+        open_output_files(tmp_path, "s3://no-such-bucket/x", [("endpoint_url", s3_endpoint)])
+    assert "s3://no-such-bucket/x" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
