@@ -241,8 +241,8 @@ def test_a_run_that_asked_for_its_steps_keeps_them_on_a_config_with_other_defaul
     args = ("--deploy-config", str(fewer), "--params", "config", "--report", str(report_path))
     assert replay(data_dir, "--ids", ids[3], *args) == 0
     (entry,) = json.loads(report_path.read_text())["runs"]
-    assert entry["verdict"] == "identical" and entry["notes"][-1].startswith("pixels identical, files not")
+    assert entry["verdict"] == "identical" and entry["config_hash_before"] != entry["config_hash_after"]
     (output,) = entry["outputs"]
-    assert output["max_abs_diff"] == 0 and not output["bytes_identical"]  # the recipe names the new config
+    assert output["identical"] and output["max_abs_diff"] == 0 and output["psnr_db"] == "inf"
     with open_store(None, data_dir) as store:
         assert store.get_run(entry["replay_id"]).parameters["num_inference_steps"] == 6
