@@ -4,6 +4,10 @@
 real app is ready, :class:`StartingApp` answers: ``/health`` 503 ``starting``, ``/v1`` 503
 ``engine_not_ready`` with ``Retry-After`` (OpenAI error bodies), and for the UI a loading page that opens
 the studio by itself. Generation requests it refuses become failed runs once the run store is open.
+
+For the UI, the API serves as soon as the engine is loaded (``api``), while Gradio still builds the page:
+``/health`` stays 503 ``starting`` (with ``"api": "ready"``) until the whole studio is up, and requests in
+flight when the port moves to Gradio finish on the loading server (README, first section).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ page opens the studio by itself when it is ready; the API answers 503 <code>engi
 const started = Date.now();
 async function poll() {{
   try {{
+    // /health turns 200 when the whole studio is up; the API may serve a little earlier (see /health's "api").
     const r = await fetch("/health", {{cache: "no-store"}});
     if (r.status === 200) {{ location.reload(); return; }}
   }} catch (e) {{}}
@@ -66,6 +71,9 @@ class StartingApp:
         self.model = model
         self.page = page  # serve the loading page on "/" (the UI), else JSON only (the API)
         self.target: ASGIApp | None = None
+        # The API alone, set once the engine is loaded while the UI still builds: everything but "/" and
+        # "/health" goes to it (``ui`` mode; ``serve`` sets ``target`` instead).
+        self.api: ASGIApp | None = None
         # Generation requests refused while loading, recorded as runs once the store is open (nothing a
         # client sends is lost). Unauthenticated ones are not: that would let anyone fill the history.
         self.api_key = api_key
@@ -116,11 +124,15 @@ class StartingApp:
             await send({"type": "websocket.close", "code": 1013})  # "try again later"
             return
         path = scope.get("path", "/")
+        api = self.api
         if path == "/" and self.page:
             body = LOADING_PAGE.format(model=_html_escape(self.model)).encode()
             await _respond(send, 200, body, "text/html; charset=utf-8", {"cache-control": "no-store"})
         elif path == "/health":
-            await _respond(send, 503, json.dumps({"status": "starting"}).encode(), retry=True)
+            health = {"status": "starting"} if api is None else {"status": "starting", "api": "ready"}
+            await _respond(send, 503, json.dumps(health).encode(), retry=True)
+        elif api is not None:
+            await api(scope, receive, _retry_after_on_503(send))
         else:
             if self._counts(scope):
                 self.refused.append((path, await _body_excerpt(receive)))
