@@ -54,6 +54,11 @@ def flags(text: str) -> set[str]:
             (*SERVER_FLAGS, *QUEUE_FLAGS, "--model"),
         ),
         (("history", "show"), ("--db", "--json"), (*SERVER_FLAGS, *QUEUE_FLAGS, "--model")),
+        (
+            ("replay",),
+            ("--filter", "--ids", "--limit", "--params", "--report", "--model", "--deploy-config", "--db"),
+            (*SERVER_FLAGS, *QUEUE_FLAGS, "--out", "--seed"),
+        ),
         (("history", "export"), ("--db",), (*SERVER_FLAGS, "--model")),
         (("history", "import"), ("--db",), (*SERVER_FLAGS, "--model")),
     ],

@@ -42,6 +42,7 @@ def test_named_endpoints_are_listed_and_internal_ones_hidden(client):
         "/history_search",
         "/run_detail",
         "/rerun",
+        "/replay",
         "/compare",
         "/delete_run",
         "/export_history",
