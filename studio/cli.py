@@ -181,8 +181,11 @@ def _examples(*lines: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated flags: the top-level parser sees every argument, so a new flag there (``--outputs``)
+    # would make a subcommand's shorter one (``run --out``) ambiguous; and scripts stay valid as flags grow.
     parser = argparse.ArgumentParser(
         prog="omni-studio",
+        allow_abbrev=False,
         description="Omni Studio: a web studio, OpenAI-compatible API and run history over a multi-stage "
         "(AR -> diffusion) engine. With no command: `ui`.",
         parents=[_options(ALL_GROUPS, defaults=True)],
@@ -197,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, groups: tuple[str, ...], help_text: str, examples: tuple[str, ...], **kw: Any):
         return sub.add_parser(
             name,
+            allow_abbrev=False,
             parents=[_options(groups, defaults=False, **kw)],
             help=help_text,
             description=help_text[0].upper() + help_text[1:] + ".",
@@ -282,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     def action(name: str, help_text: str, example: str):
         return hsub.add_parser(
             name,
+            allow_abbrev=False,
             parents=[_options(HISTORY_GROUPS, defaults=False)],
             help=help_text,
             description=help_text[0].upper() + help_text[1:] + ".",
@@ -336,6 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add_replay_arguments(replay)
+
+    from studio.batch_cli import BATCH_EXAMPLES, add_batch_arguments  # light: argparse only
+
+    batch = command(
+        "batch",
+        RUN_GROUPS,
+        "run a batch job (prompts x seeds x x/y axes) with a progress bar; prints the grid's path "
+        "(docs/jobs.md)",
+        BATCH_EXAMPLES,
+        limits=RUN_LIMITS,
+    )
+    add_batch_arguments(batch)
     return parser
 
 
@@ -652,6 +669,12 @@ def cmd_replay(args: argparse.Namespace, settings: StudioSettings) -> int:
     return replay_command(args, settings)
 
 
+def cmd_batch(args: argparse.Namespace, settings: StudioSettings) -> int:
+    from studio.batch_cli import run_batch
+
+    return run_batch(args, settings)
+
+
 def cmd_not_ready(args: argparse.Namespace, settings: StudioSettings) -> int:
     raise UserError(f"'omni-studio {args.command}' is not available in this build yet")
 
@@ -669,6 +692,7 @@ def cmd_serve(args: argparse.Namespace, settings: StudioSettings) -> int:
 
 
 COMMANDS = {
+    "batch": cmd_batch,
     "history": cmd_history,
     "replay": cmd_replay,
     "run": cmd_run,

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     from engine import OmniEngine
     from studio.api.app import ServingOptions
+    from studio.jobs import JobService
     from studio.store.recorder import RunRecorder
 
 log = logging.getLogger("omni_studio")
@@ -102,6 +103,13 @@ def close_recorder(recorder: RunRecorder) -> None:
     """Write everything queued, then close the store (before the process exits)."""
     recorder.close()
     recorder.store.close()
+
+
+def start_jobs(serving: Any, recorder: RunRecorder, settings: StudioSettings) -> JobService:
+    """The batch-job queue of this studio, its runner started (studio/jobs.py)."""
+    from studio.jobs import JobService
+
+    return JobService.for_serving(serving, recorder, settings).start()
 
 
 def serving_options(settings: StudioSettings) -> ServingOptions:
@@ -189,6 +197,7 @@ def serve_api(settings: StudioSettings) -> int:
             front.record_refused(recorder, state.served_model_name)
             engine = loaded["engine"] = start_engine(settings)
             state.set_engine(engine)
+            loaded["jobs"] = state.jobs = start_jobs(state, recorder, settings)  # resumes unfinished jobs
             front.record_refused(recorder, state.served_model_name)  # any that raced the hand-over
             fingerprint = state.handlers.system_fingerprint if state.handlers else None
             print(
@@ -208,6 +217,8 @@ def serve_api(settings: StudioSettings) -> int:
     try:
         server.run(sockets=[sock])
     finally:  # interrupted while loading: the daemon loader thread ends with the process
+        if "jobs" in loaded:  # first: cells in the engine go back to the job queue
+            loaded["jobs"].close()
         if "engine" in loaded:
             loaded["engine"].close()
         if "recorder" in loaded:
@@ -278,6 +289,7 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
 
     recorder = open_recorder(settings)
     serving = ServingState(engine, options, recorder=recorder, source="api")
+    serving.jobs = start_jobs(serving, recorder, settings)  # resumes unfinished jobs (docs/jobs.md)
     studio = Studio(
         engine,
         serving,
@@ -288,6 +300,7 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
         ar_backend=settings.ar_backend,
     )
     studio.share.requested = settings.share
+    studio.admin_user = auth[0] if auth is not None else None  # the Queue tab's admin (docs/jobs.md)
     studio.share.api_key_generated = generated_key is not None
     if settings.share and auth is not None:
         studio.share.username, studio.share.password = auth
@@ -349,6 +362,8 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
     except KeyboardInterrupt:
         pass
     finally:
+        if serving.jobs is not None:  # first: cells in the engine go back to the job queue
+            serving.jobs.close()
         demo.close()
         studio.close()
     return 0

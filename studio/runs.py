@@ -19,6 +19,7 @@ from typing import Any, Protocol, cast
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.engine import EngineBusy, EngineClosed
 from engine.events import EngineEvent, RunFailed, RunFinished
+from studio.inflight import RequestBoard
 from studio.limits import InputLimits
 from studio.media import png_bytes
 from studio.store.files import PNG, OutputFiles
@@ -135,8 +136,10 @@ class RunService:
         on_event: Callable[[EngineEvent], None] | None = None,
         limits: InputLimits | None = None,
         slots: ClientSlots | None = None,
+        board: RequestBoard | None = None,
     ) -> None:
         self.recorder = recorder
+        self.board = board  # the requests in flight, for the Queue panel (studio/inflight.py)
         self.source = source
         self.files = files
         self.on_event = on_event
@@ -204,6 +207,8 @@ class RunService:
 
     def _observe(self, tracker: RunTracking, event: EngineEvent) -> None:
         tracker.observe(event)
+        if self.board is not None:
+            self.board.observe(event)
         if self.on_event is not None:
             self.on_event(event)
 
@@ -235,16 +240,21 @@ class RunService:
         progress: bool = True,
         stopped: str = "stopped before the run finished",
         client: str | None = None,
+        owner: str | None = None,
     ) -> AsyncGenerator[EngineEvent, None]:
         """The engine's events for ``resolved``, recorded as they pass.
 
         A refused run (the engine's queue full, ``client`` at its in-flight limit) raises
         :class:`RunRejected`; a run left before its terminal event (the iterator closed, an error) is
-        recorded as cancelled with ``stopped``, and closing cancels the request.
+        recorded as cancelled with ``stopped``, and closing cancels the request. ``owner`` (default: the
+        source and ``client``) is who the Queue panel lets cancel it.
         """
         slots = self.slots if client is not None else None
         if slots is not None and client is not None and not slots.acquire(client):
             raise self.reject(RunRejected("client_limit", slots.message()), tracker)
+        if self.board is not None:
+            who = owner or (f"{self.source}:{client}" if client else None)
+            self.board.add(resolved.request_id, self.source, who, resolved.request.prompt, engine)
         # OmniEngine.generate is an async generator (typed as an iterator): closing it cancels the request.
         agen = cast(AsyncGenerator[EngineEvent, None], engine.generate(resolved, progress=progress))
         finished = False
@@ -266,6 +276,8 @@ class RunService:
             try:
                 await agen.aclose()
             finally:
+                if self.board is not None:
+                    self.board.remove(resolved.request_id)
                 if slots is not None and client is not None:
                     slots.release(client)
 
@@ -277,10 +289,13 @@ class RunService:
         *,
         stopped: str,
         client: str | None = None,
+        owner: str | None = None,
     ) -> Terminal | None:
         """Run ``resolved`` without watching its progress; returns its terminal event."""
         terminal: Terminal | None = None
-        events = self.events(engine, resolved, tracker, progress=False, stopped=stopped, client=client)
+        events = self.events(
+            engine, resolved, tracker, progress=False, stopped=stopped, client=client, owner=owner
+        )
         try:
             async for event in events:
                 if isinstance(event, (RunFinished, RunFailed)):

@@ -198,6 +198,25 @@ def test_a_request_cancelled_while_queued_never_runs(image_server):
         store.close()
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_disconnect_during_the_prefill_of_a_long_prompt_frees_the_engine(chat_server, stream):
+    """A prompt near tiny-chat's 2048-token context: the client goes away as soon as the engine takes it
+    (in its prefill: the first forward over ~1900 tokens), and the engine is free within the budget."""
+    url = chat_server.url + "/v1/chat/completions"
+    before = set(latest_status(chat_server))
+    body = {
+        "messages": [{"role": "user", "content": " ".join(["cat"] * 940)}],
+        "max_tokens": 100,
+        "stream": stream,
+    }
+    closed_at, _ = start_and_drop(
+        url, body, lambda: metric(chat_server, "omni_studio_requests_in_flight") >= 1
+    )
+    follow_up = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    assert_freed(chat_server, closed_at, ("/v1/chat/completions", follow_up))
+    wait_cancelled(chat_server, before)
+
+
 def test_a_prompt_past_the_context_is_refused_before_the_queue(chat_server, image_server):
     words = " ".join(["cat"] * 3000)  # 3000 tokens > tiny-chat's 2048 positions, < --max-prompt-chars
     response = httpx.post(
