@@ -22,6 +22,7 @@ from engine.events import EngineEvent, RunFailed, RunFinished
 from studio.inflight import RequestBoard
 from studio.limits import InputLimits
 from studio.media import png_bytes
+from studio.recipes import RecipeStamper, RunRecipe
 from studio.store.files import PNG, OutputFiles
 
 
@@ -198,12 +199,16 @@ class RunService:
         """Record a new queued run for ``resolved`` (its id is the request id) and return its tracker.
 
         ``replay_of``: the recorded run this one replays (``studio/replay.py``); the store links them.
+        The tracker writes the run's recipe into each output image before anyone encodes it, so every PNG
+        of the run (response, UI, CLI file, run store) carries it (studio/recipes.py, docs/recipes.md).
         """
+        recipe = RunRecipe.of(resolved, engine.config, fingerprint)  # before the recorder: see RunRecipe.of
         if self.recorder is None:
-            return NoTracking()
-        return self.recorder.start_run(
+            return RecipeStamper(NoTracking(), recipe)
+        tracker = self.recorder.start_run(
             self.source, resolved, engine.config, model_name, fingerprint, payload, replay_of=replay_of
         )
+        return RecipeStamper(tracker, recipe)
 
     def _observe(self, tracker: RunTracking, event: EngineEvent) -> None:
         tracker.observe(event)
