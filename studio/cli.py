@@ -230,10 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
             'omni-studio run "a red circle on a blue background, top left" --model tiny-glm-shapes --out x.png',
             'omni-studio run "make it blue" --image x.png --out blue.png --model tiny-glm-shapes',
             'omni-studio run "hello" --model tiny-chat',
+            "omni-studio run --recipe x.png --out again.png   # re-run a PNG's recipe (flags override it)",
         ),
         limits=RUN_LIMITS,
     )
-    run.add_argument("prompt", help="what to generate")
+    run.add_argument(
+        "prompt", nargs="?", default=None, help="what to generate (default with --recipe: its prompt)"
+    )
     r = run.add_argument_group("this run (omitted values: the model's defaults)")
     r.add_argument(
         "--image", default=None, metavar="SRC", help="source image (a file or a data: URL) for image-to-image"
@@ -258,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--n", type=int, default=1, metavar="N", help="number of outputs (seeds seed, seed+1, ...)"
     )
     r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument(
+        "--recipe",
+        default=None,
+        metavar="FILE.png",
+        help="re-run the recipe in a PNG saved by Omni Studio or A1111 (flags given override it; docs/recipes.md)",
+    )
 
     validate = command(
         "validate",
@@ -300,7 +309,15 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--status", default=None, help="only runs with this status (e.g. failed)")
     ls.add_argument("--search", default=None, metavar="TEXT", help="text in the prompt")
     show = action("show", "one run in full", "omni-studio history show 3f2a")
-    show.add_argument("run_id", metavar="ID", help="a run id or a unique prefix of one")
+    show.add_argument(
+        "run_id", nargs="?", default=None, metavar="ID", help="a run id or a unique prefix of one"
+    )
+    show.add_argument(
+        "--png",
+        default=None,
+        metavar="FILE.png",
+        help="instead of an ID: the run(s) a PNG came from (by its sha256, else by its recipe)",
+    )
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
     export = action(
         "export",
@@ -510,9 +527,16 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
     from engine.events import RunFailed
     from engine.modality import OutputModality
     from studio.launch import close_recorder, open_recorder, start_engine
+    from studio.media import png_bytes
     from studio.progress import StageProgressBars
     from studio.runs import RunService
 
+    if args.recipe:
+        from studio.recipe_cli import apply_recipe
+
+        settings = apply_recipe(args, settings)
+    if args.prompt is None:
+        raise UserError("give a PROMPT, or --recipe FILE.png to re-run a PNG's recipe")
     image = load_image_source(args.image) if args.image else None
     engine = start_engine(settings)
     recorder = None
@@ -571,6 +595,10 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
         written = write_outputs(result, args.out, makes_images)
         for line in written:
             print(line)
+        if args.recipe:
+            from studio.recipe_cli import report_rerun
+
+            report_rerun(args, resolved, engine.config.config_hash(), [png_bytes(i) for i in result.images])
         print(f"seed {resolved.seed}", file=sys.stderr)
         print(
             f"recorded as run {tracker.run_id[:12]} (omni-studio history show {tracker.run_id[:12]})",
@@ -585,6 +613,8 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
 
 def write_outputs(result: Any, out: str | None, makes_images: bool) -> list[str]:
     """Write a finished run's outputs; returns one line per file (or the text when there is no file)."""
+    from studio.media import png_bytes
+
     lines = []
     if makes_images:
         if out is None:  # cmd_run refuses an image run without --out before it starts
@@ -594,7 +624,7 @@ def write_outputs(result: Any, out: str | None, makes_images: bool) -> list[str]
         path.parent.mkdir(parents=True, exist_ok=True)
         for i, image in enumerate(images):
             target = path if len(images) == 1 else path.with_name(f"{path.stem}-{i}{path.suffix or '.png'}")
-            image.save(target, format="PNG")
+            target.write_bytes(png_bytes(image))  # the run store's bytes, recipe included (docs/recipes.md)
             lines.append(f"{target} ({image.width}x{image.height})")
     else:
         text = "\n\n".join(o.text or "" for o in result.outputs)
@@ -633,7 +663,15 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
                 if args.json
                 else format_run_table(runs, total)
             )
+        elif action == "show" and args.png is not None:
+            from studio.recipe_cli import show_png_runs
+
+            if args.run_id is not None:
+                raise UserError("give a run ID or --png FILE.png, not both")
+            return show_png_runs(args, store)
         elif action == "show":
+            if args.run_id is None:
+                raise UserError("give a run ID (or --png FILE.png)")
             try:
                 run = store.get_run(store.resolve_run_id(args.run_id))
             except (RunNotFound, AmbiguousRunId) as exc:

@@ -957,6 +957,17 @@ class RunStore:
             return found
         raise FileNotFoundError(f"no stored output with sha256 {sha256}")
 
+    def runs_with_output(self, sha256: str, kind: str = "image") -> list[str]:
+        """Ids of the runs with an output (of ``kind``) whose file has this sha256, newest first.
+
+        Outputs are content-addressed, so a file that came out of the studio unchanged is found here:
+        ``omni-studio history show --png`` (studio/recipe_runs.py).
+        """
+        made = select(Output.run_id).where(Output.sha256 == sha256, Output.kind == kind)
+        with self._read() as session:
+            query = select(Run.id).where(Run.id.in_(made)).order_by(Run.created_at.desc(), Run.id.desc())
+            return list(session.scalars(query))
+
     # deleting -------------------------------------------------------------------------------------
 
     def _delete_ids(self, ids: Sequence[str]) -> int:

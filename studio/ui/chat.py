@@ -25,6 +25,7 @@ from engine.modality import OutputModality
 from studio.api.inputs import params_from_fields
 from studio.controller import Studio
 from studio.runs import Queued, RunRejected
+from studio.ui.recipe import build_recipe_drop, connect_recipe_drop
 
 # The UI coalesces progress: every yield costs the (GIL-sharing) server a diff and a message, and the tiny
 # models make thousands of tokens a second.
@@ -136,6 +137,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             preview = gr.Image(
                 label="Diffusion preview", type="pil", interactive=False, height=256, elem_id="omni-preview"
             )
+            recipe_drop = build_recipe_drop()  # "Load recipe from PNG" (studio/ui/recipe.py)
             with gr.Accordion("Parameters", open=True):
                 model = gr.Dropdown(
                     studio.builtin_models(),
@@ -381,6 +383,9 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         return {"text": text, "files": [path]}, "The last result is the source image of the next prompt."
 
     to_source.click(source_from_result, [last_image, message], [message, status], api_name="send_to_source")
+    recipe_fields = {"message": message, "seed": seed, "width": width, "height": height, "steps": steps}
+    recipe_fields.update(guidance=guidance, negative=negative, modalities=modalities, model=model)
+    connect_recipe_drop(studio, recipe_drop, recipe_fields)
     clear.click(
         lambda: ([], render_progress({}), None), None, [chatbot, progress, preview], api_visibility="private"
     )

@@ -1,0 +1,191 @@
+"""The Chat tab's "Load recipe from PNG": drop a PNG saved by the studio (or by A1111) and the prompt and
+parameters come back into the form; the recipe's model and deploy config are one click away.
+
+Reading the PNG is ``studio.recipes.read_recipe`` (the same call as ``omni-studio run --recipe``);
+switching the pipeline is ``studio.recipe_runs.restore_pipeline`` over the controller. See docs/recipes.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from studio.controller import Studio
+from studio.recipe_runs import restore_pipeline
+from studio.recipes import A1111, Recipe, RecipeError, read_recipe
+
+# The Chat form's ranges (studio/ui/chat.py): a recipe value outside them is set to the nearest end, and said.
+FORM_RANGES = {
+    "width": (32, 1024),
+    "height": (32, 1024),
+    "num_inference_steps": (1, 100),
+    "guidance_scale": (0.0, 20.0),
+}
+MODALITY_CHOICES = ("text", "image", "token_ids")
+
+
+@dataclass
+class RecipeDrop:
+    """The components of the recipe drop (placed in the Chat tab's layout)."""
+
+    upload: gr.File
+    note: gr.Markdown
+    apply: gr.Button
+    recipe: gr.State
+
+
+def build_recipe_drop() -> RecipeDrop:
+    """The upload area, its note and the "use the recipe's model and deploy config" button."""
+    upload = gr.File(
+        label="Load recipe from PNG (drop a PNG saved here or by A1111)",
+        file_types=[".png"],
+        type="filepath",
+        height=110,
+        elem_id="omni-recipe",
+    )
+    note = gr.Markdown("", elem_id="omni-recipe-note")
+    apply = gr.Button(
+        "Use the recipe's model and deploy config", visible=False, size="sm", elem_id="omni-recipe-apply"
+    )
+    return RecipeDrop(upload, note, apply, gr.State(None))
+
+
+def form_values(recipe: Recipe) -> tuple[dict[str, Any], list[str]]:
+    """The Chat form values (engine parameter names) a recipe restores, and notes on values the form
+    cannot hold as they are."""
+    values: dict[str, Any] = {}
+    notes: list[str] = []
+    p = recipe.parameters
+    for key, (low, high) in FORM_RANGES.items():
+        value = p.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if value < low or value > high:
+            clamped = min(max(value, low), high)
+            notes.append(f"{key} {value} is outside this form's range ({low}–{high}); set to {clamped}")
+            value = clamped
+        values[key] = value
+    if isinstance(p.get("seed"), int):
+        values["seed"] = p["seed"]
+    if isinstance(p.get("negative_prompt"), str):
+        values["negative_prompt"] = p["negative_prompt"]
+    modalities = p.get("modalities")
+    if isinstance(modalities, list):
+        values["modalities"] = [m for m in modalities if m in MODALITY_CHOICES]
+    return values, notes
+
+
+def describe(recipe: Recipe, studio: Studio, restored: dict[str, Any]) -> tuple[str, bool]:
+    """Markdown for the drop's note, and whether the model/deploy-config button applies."""
+    labels = {
+        "seed": "seed",
+        "width": "size",
+        "num_inference_steps": "steps",
+        "guidance_scale": "guidance",
+        "negative_prompt": "negative prompt",
+        "modalities": "modalities",
+    }
+    parts = ["prompt", *(label for key, label in labels.items() if key in restored)]
+    source = "an Omni Studio recipe" if recipe.origin != A1111 else "an A1111 recipe"
+    lines = [f"✓ Restored from {source}: {', '.join(parts)}."]
+    can_switch = False
+    if recipe.origin == A1111:
+        if recipe.unmapped:
+            lines.append("Not used here: " + "; ".join(recipe.unmapped) + ".")
+        if recipe.model:
+            lines.append(
+                f"The A1111 model `{recipe.model}` is not one of this studio's; the running model stays."
+            )
+    else:
+        made = f"Made with **{recipe.model}**, deploy config `{(recipe.config_hash or '?')[:8]}`"
+        running_hash = studio.config.config_hash()
+        if recipe.model == studio.model.name and recipe.config_hash == running_hash:
+            lines.append(f"{made} — the running model and config.")
+        elif recipe.model in studio.builtin_models() and recipe.config is not None:
+            lines.append(
+                f"{made}; the studio runs **{studio.model.name}** `{running_hash[:8]}`. "
+                "Use the button below to switch to the recipe's."
+            )
+            can_switch = True
+        else:
+            lines.append(f"{made}; that model is not known to this studio, so the running model stays.")
+    if recipe.history:
+        lines.append(
+            f"The recipe continued a conversation of {len(recipe.history)} turn(s); only its prompt is restored."
+        )
+    lines += [f"Note: {note}." for note in recipe.notes]
+    return "\n\n".join(lines), can_switch
+
+
+def connect_recipe_drop(studio: Studio, drop: RecipeDrop, fields: dict[str, Any]) -> None:
+    """Wire the drop to the Chat form: ``fields`` maps ``message``, ``seed``, ``width``, ``height``,
+    ``steps``, ``guidance``, ``negative``, ``modalities`` and ``model`` to their components."""
+    restored_outputs = [
+        fields["message"],
+        fields["seed"],
+        fields["width"],
+        fields["height"],
+        fields["steps"],
+        fields["guidance"],
+        fields["negative"],
+        fields["modalities"],
+    ]
+    # The drop zone is emptied again after each file, ready for the next one.
+    outputs = [*restored_outputs, drop.note, drop.apply, drop.recipe, drop.upload]
+
+    def load(path: str | None):
+        unchanged = [gr.skip()] * len(restored_outputs)
+        if not path:
+            return *unchanged, "", gr.update(visible=False), None, None
+        name = Path(path).name
+        try:
+            recipe = read_recipe(Path(path).read_bytes(), name)
+        except RecipeError as exc:
+            return *unchanged, f"⚠️ {exc}.", gr.update(visible=False), None, None
+        values, notes = form_values(recipe)
+        files: list[str] = []
+        if recipe.source_image_sha256:
+            found = studio.runs.files.find(recipe.source_image_sha256) if studio.runs.files else None
+            if found is not None:
+                files.append(str(found))
+            else:
+                notes.append("its source image is not in this studio's history; attach it for image-to-image")
+        text, can_switch = describe(recipe, studio, values)
+        text += "".join(f"\n\nNote: {note}." for note in notes)
+
+        def value(key: str) -> Any:
+            return values[key] if key in values else gr.skip()
+
+        return (
+            {"text": recipe.prompt, "files": files},
+            value("seed"),
+            value("width"),
+            value("height"),
+            value("num_inference_steps"),
+            value("guidance_scale"),
+            values.get("negative_prompt", ""),
+            value("modalities"),
+            text,
+            gr.update(visible=can_switch),
+            recipe,
+            None,
+        )
+
+    drop.upload.upload(load, [drop.upload], outputs, api_name="load_recipe", show_progress="hidden")
+
+    def use_pipeline(recipe: Recipe | None):
+        if recipe is None:
+            return "Load a recipe first.", gr.update(visible=False), gr.skip()
+        message = restore_pipeline(studio, recipe)
+        return message, gr.update(visible=False), gr.update(value=studio.model.name)
+
+    drop.apply.click(
+        use_pipeline,
+        [drop.recipe],
+        [drop.note, drop.apply, fields["model"]],
+        api_name="use_recipe_pipeline",
+        concurrency_id="generate",  # like the Pipeline tab's Apply: not while a run holds the engine
+    )
