@@ -3,12 +3,13 @@
 Starts `omni-studio ui` on the tiny pipeline in a throwaway data dir, makes a few runs (UI and API) so
 every tab has something to show, and drives Debian's chromium headless through Playwright.
 
-    .venv/bin/python scripts/screenshots.py [--model tiny-glm-image] [--out docs/screenshots]
+    .venv/bin/python scripts/screenshots.py [--model tiny-glm-image] [--out docs/screenshots] [--only recipe-drop]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import sys
 import tempfile
 from pathlib import Path
@@ -31,10 +32,34 @@ ARGS = [
 ]
 
 
+def shoot_recipe_drop(page, url: str, out: Path) -> None:
+    """recipe-drop.png: a PNG made by the API, dropped on the Chat tab's "Load recipe from PNG" (docs/recipes.md)."""
+    body = {
+        "messages": [{"role": "user", "content": "a red circle on a blue background, top left"}],
+        "seed": 4242,
+        "num_inference_steps": 6,
+        "guidance_scale": 2.5,
+        "negative_prompt": "blurry, dark",
+    }
+    reply = httpx.post(url + "/v1/chat/completions", timeout=120, json=body).json()
+    data_url = reply["choices"][0]["message"]["content"][-1]["image_url"]["url"]
+    made = Path(tempfile.mkdtemp()) / "made-in-the-studio.png"
+    made.write_bytes(base64.b64decode(data_url.split(",", 1)[1]))
+    page.goto(url + "/")
+    page.wait_for_selector("#omni-message textarea")
+    page.set_input_files("#omni-recipe input[type=file]", str(made))
+    page.wait_for_function("document.querySelector('#omni-recipe-note').innerText.includes('Restored')")
+    page.set_viewport_size({"width": 1400, "height": 1500})  # the whole restored form
+    page.wait_for_timeout(800)
+    page.screenshot(path=str(out / "recipe-drop.png"))
+    page.set_viewport_size({"width": 1400, "height": 1000})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
+    parser.add_argument("--only", choices=("recipe-drop",), default=None, help="make just this screenshot")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     extra = ["--model", args.model] if args.model else []
@@ -55,6 +80,11 @@ def main() -> None:
         page.set_default_timeout(60_000)
         page.goto(server.url + "/")
         page.wait_for_selector("#omni-message textarea")
+        if args.only == "recipe-drop":
+            shoot_recipe_drop(page, server.url, args.out)
+            browser.close()
+            print(args.out / "recipe-drop.png")
+            return
         page.fill("#omni-message textarea", "a green triangle on a cyan background, bottom right")
         page.keyboard.press("Enter")
         page.wait_for_selector("#omni-chatbot img")
@@ -92,6 +122,8 @@ def main() -> None:
         page.get_by_role("tab", name="System").click()
         page.wait_for_timeout(800)
         page.screenshot(path=str(args.out / "system.png"))
+
+        shoot_recipe_drop(page, server.url, args.out)
         browser.close()
     for path in sorted(args.out.glob("*.png")):
         print(path)
