@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
@@ -51,11 +51,16 @@ from studio.api.protocol import (
 from studio.api.serving_base import ServingContext
 from studio.api.serving_chat import OpenAIServingChat
 from studio.api.serving_images import OpenAIServingImages
+from studio.api.serving_jobs import StudioServingJobs, job_route_docs
 from studio.api.serving_models import OpenAIServingModels
 from studio.api.signing import DEFAULT_TTL_S, URLSigner, load_secret
+from studio.inflight import RequestBoard
 from studio.limits import InputLimits
 from studio.runs import ClientSlots, Recording, RunService
 from studio.store.files import OutputFiles
+
+if TYPE_CHECKING:
+    from studio.jobs import JobService
 
 log = logging.getLogger("omni_studio.api")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -108,6 +113,8 @@ class ServingState:
         self._signer: URLSigner | None = None
         # Per-client in-flight counts outlive handler rebuilds (fingerprint changes, engine swaps).
         self.client_slots = ClientSlots(self.options.limits.max_in_flight_per_client)
+        self.board = RequestBoard()  # requests in the engine, for the Queue panel (studio/inflight.py)
+        self.jobs: JobService | None = None  # batch jobs (studio/jobs.py), set once the store is open
         if engine is not None:
             self.set_engine(engine)
 
@@ -155,6 +162,7 @@ class ServingState:
             on_event=observe,
             limits=self.options.limits,
             slots=self.client_slots,
+            board=self.board,
         )
 
     def build_handlers(self) -> Handlers:
@@ -467,6 +475,34 @@ async def _outputs(request: Request, state: ServingState) -> Response:
     return FileResponse(path, media_type="image/png")
 
 
+def _jobs(state: ServingState) -> StudioServingJobs:
+    """The job endpoints' handler (studio/api/serving_jobs.py); 503 until the job service runs."""
+    if state.jobs is None:
+        raise APIError(503, "Jobs are not available yet (the studio is starting)", None, "engine_not_ready")
+    return StudioServingJobs(state.jobs, state.options.limits, state.output_url)
+
+
+async def _jobs_create(request: Request, state: ServingState) -> Response:
+    handler = _jobs(state)
+    return handler.create(await read_json(request, state.options.limits), request)
+
+
+async def _jobs_list(request: Request, state: ServingState) -> Response:
+    return _jobs(state).list(request)
+
+
+async def _jobs_get(request: Request, state: ServingState) -> Response:
+    return _jobs(state).get(request.path_params["job_id"], request)
+
+
+async def _jobs_cancel(request: Request, state: ServingState) -> Response:
+    return _jobs(state).cancel(request.path_params["job_id"], request)
+
+
+async def _jobs_grid(request: Request, state: ServingState) -> Response:
+    return _jobs(state).grid(request.path_params["job_id"])
+
+
 async def _metrics(request: Request, state: ServingState) -> Response:
     # Open while nothing is protected; once an API key or a UI login is set (always with --share), the key
     # or a UI login session (Gradio's own cookie check) is needed: README, "--share".
@@ -499,6 +535,11 @@ API_ROUTES: list[tuple[str, str, str, Endpoint, bool]] = [
     ("POST", "/v1/images/generations", "images_generations", _images_generations, True),
     ("POST", "/v1/images/edits", "images_edits", _images_edits, True),
     ("GET", "/v1/outputs/{name}", "outputs", _outputs, False),  # the key or a signed URL: see _outputs
+    ("POST", "/v1/studio/jobs", "jobs_create", _jobs_create, True),  # batch jobs: docs/jobs.md
+    ("GET", "/v1/studio/jobs", "jobs_list", _jobs_list, True),
+    ("GET", "/v1/studio/jobs/{job_id}", "jobs_get", _jobs_get, True),
+    ("DELETE", "/v1/studio/jobs/{job_id}", "jobs_cancel", _jobs_cancel, True),
+    ("GET", "/v1/studio/jobs/{job_id}/grid", "jobs_grid", _jobs_grid, True),
 ]
 UNKNOWN_PATH = "/v1/{path:path}"  # after every other route: OpenAI errors for unknown routes and methods
 UNKNOWN_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -564,6 +605,7 @@ ROUTE_DOCS: dict[str, dict[str, Any]] = {
         "response_class": FileResponse,
         "responses": {200: PNG_RESPONSE, **_errors(401, 403, 404)},
     },
+    **job_route_docs(_errors),
 }
 
 

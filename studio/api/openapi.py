@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 
 from studio.api.protocol import ChatCompletionRequest, ImageEditForm, ImageGenerationRequest
+from studio.job_spec import JobSpec
 
 TITLE = "Omni Studio API"
 DESCRIPTION = (
@@ -42,6 +43,7 @@ REQUEST_BODIES: dict[str, tuple[str, type[BaseModel]]] = {
     "chat_completions": ("application/json", ChatCompletionRequest),
     "images_generations": ("application/json", ImageGenerationRequest),
     "images_edits": ("multipart/form-data", ImageEditForm),
+    "jobs_create": ("application/json", JobSpec),
 }
 SIGNED_URL_PARAMS = [
     {
@@ -62,6 +64,7 @@ SIGNED_URL_PARAMS = [
 PATH_PARAM_DOCS = {
     "model": "the served model's name (GET /v1/models lists it)",
     "name": "an output file, `<sha256>.png`",
+    "job_id": "a job's id (POST /v1/studio/jobs answers with it)",
 }
 PATH_PARAM_PATTERNS = {"name": "^[0-9a-f]{64}\\.png$"}
 
@@ -94,10 +97,15 @@ def build_document(router: APIRouter, version: str, authenticated: set[str]) -> 
             "description": "the server's API key (--api-key); not needed when none is set",
         }
     }
-    names = {getattr(route, "path", None): getattr(route, "name", None) for route in router.routes}
+    # One path may carry several operations (GET and DELETE /v1/studio/jobs/{job_id}): named per method.
+    names = {
+        (getattr(route, "path", None), method.lower()): getattr(route, "name", None)
+        for route in router.routes
+        for method in getattr(route, "methods", None) or ()
+    }
     for path, operations in document.get("paths", {}).items():
-        for operation in operations.values():
-            name = names.get(path)
+        for method, operation in operations.items():
+            name = names.get((path, method))
             parameters = operation.setdefault("parameters", [])
             declared = {p["name"] for p in parameters}
             for part in path.split("/"):

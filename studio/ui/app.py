@@ -16,7 +16,9 @@ from studio.api.auth import guard_gradio_login, limiter_for
 from studio.controller import Studio
 from studio.ui.chat import build_chat_tab
 from studio.ui.history import build_history_tab
+from studio.ui.jobs import build_batch_tab
 from studio.ui.pipeline import build_pipeline_tab
+from studio.ui.queue import build_queue_tab, tab_timers
 from studio.ui.serving import build_serving_tab
 from studio.ui.system import build_system_tab
 
@@ -47,7 +49,7 @@ def header(studio: Studio) -> str:
 def build_ui(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="Omni Studio", analytics_enabled=False) as demo:  # no calls home
         title = gr.Markdown(header(studio), elem_id="omni-header")
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
                 chat = build_chat_tab(studio)
             with gr.Tab("Pipeline", id="pipeline") as pipeline_tab:
@@ -58,6 +60,10 @@ def build_ui(studio: Studio) -> gr.Blocks:
                 history = build_history_tab(studio)
             with gr.Tab("System", id="system") as system_tab:
                 system = build_system_tab(studio)
+            with gr.Tab("Batch", id="batch") as batch_tab:
+                batch = build_batch_tab(studio)
+            with gr.Tab("Queue", id="queue") as queue_tab:
+                queue = build_queue_tab(studio)
         pipeline["apply_event"].then(
             chat["sync_defaults"], None, chat["defaults_outputs"], api_visibility="private"
         )
@@ -69,6 +75,18 @@ def build_ui(studio: Studio) -> gr.Blocks:
         system_tab.select(system["refresh"], None, system["refresh_outputs"], api_visibility="private")
         if history:
             history_tab.select(history["refresh"], None, history["refresh_outputs"], api_visibility="private")
+        batch_tab.select(
+            batch["refresh"], batch["refresh_inputs"], batch["refresh_outputs"], api_name="batch_open"
+        )
+        queue_tab.select(queue["refresh"], None, queue["refresh_outputs"], api_name="queue_open")
+        # The Batch and Queue tabs refresh themselves every second or so, only while they are shown.
+        tabs.select(
+            tab_timers,
+            None,
+            [batch["timer"], queue["timer"]],
+            api_name="tab_timers",
+            api_visibility="private",
+        )
     return demo
 
 
