@@ -223,7 +223,7 @@ def replay_all(
     ``originals``. A target given on the command line that does not start is a usage error."""
     from tqdm import tqdm
 
-    from studio.replay_report import summarize
+    from studio.replay_report import ReplaySummary
 
     specs: dict[str, TargetSpec | str] = {run.id: target_spec(run, settings) for run in originals}
     groups: dict[tuple[str, str], list[RunDetail]] = {}
@@ -232,7 +232,7 @@ def replay_all(
 
     def done(entry: ReplayEntry) -> None:
         entries[entry.original_id] = entry
-        summary = summarize(entries.values())
+        summary = ReplaySummary.of(entries.values())
         bar.set_postfix_str(
             f"{summary.identical} identical, {summary.changed} changed, {summary.failed} failed"
         )

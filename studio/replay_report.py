@@ -329,6 +329,14 @@ class ReplaySummary:
     changed: int
     failed: int
 
+    @classmethod
+    def of(cls, entries: Iterable[ReplayEntry]) -> ReplaySummary:
+        """The counts of some entries (a finished report, or one in progress)."""
+        counts = {verdict: 0 for verdict in VERDICTS}
+        for entry in entries:
+            counts[entry.verdict] += 1
+        return cls(sum(counts.values()), counts["identical"], counts["changed"], counts["failed"])
+
     @property
     def text(self) -> str:
         """``"3 runs: 1 identical, 2 changed, 0 failed"``."""
@@ -354,10 +362,7 @@ class ReplayReport:
 
     @property
     def summary(self) -> ReplaySummary:
-        counts = {verdict: 0 for verdict in VERDICTS}
-        for entry in self.entries:
-            counts[entry.verdict] += 1
-        return ReplaySummary(len(self.entries), counts["identical"], counts["changed"], counts["failed"])
+        return ReplaySummary.of(self.entries)
 
     @property
     def exit_code(self) -> int:
@@ -523,8 +528,3 @@ def write_report(report: ReplayReport, path: Path | str) -> Path:
     text = report.to_json() if suffix == ".json" else report.to_markdown()
     target.write_text(text + ("\n" if suffix == ".json" else ""), encoding="utf-8")
     return target
-
-
-def summarize(entries: Iterable[ReplayEntry]) -> ReplaySummary:
-    """The summary of some entries (a report in progress)."""
-    return ReplayReport("", "", list(entries)).summary
