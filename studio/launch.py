@@ -47,6 +47,8 @@ log = logging.getLogger("omni_studio")
 
 # Test-only: seconds to sleep before the engine loads, so tests can watch the loading state.
 LOAD_DELAY_ENV = "OMNI_STUDIO_TEST_LOAD_DELAY_S"
+# Test-only: seconds `ui` waits after the engine is loaded and the API serves, before building the page.
+UI_DELAY_ENV = "OMNI_STUDIO_TEST_UI_DELAY_S"
 
 
 def tune_interpreter() -> None:
@@ -156,21 +158,33 @@ def uvicorn_server(app: ASGIApp) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
+# How long requests in flight on the loading server (the API serves there before the UI is up) may take
+# to finish once the port has moved to Gradio: a generation's whole length, not a second.
+HANDOVER_GRACE_S = 600
+
+
 class BackgroundServer:
     """A uvicorn server on an already bound socket, in a thread (the UI's loading phase)."""
 
     def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
+        self.sock = sock
         self.server = uvicorn_server(app)
-        self.server.config.timeout_graceful_shutdown = 1
+        self.server.config.timeout_graceful_shutdown = HANDOVER_GRACE_S
         self.thread = threading.Thread(
             target=lambda: asyncio.run(self.server.serve(sockets=[sock])), daemon=True, name="omni-starting"
         )
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop answering and free the port (idle keep-alive connections are closed at once)."""
+        """Stop accepting and free the port; returns once the listening socket is closed.
+
+        Idle keep-alive connections close at once; a request in flight (a generation sent to the API
+        while the UI loaded) finishes on this server's thread, and its connection closes after it.
+        """
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        deadline = time.monotonic() + 10
+        while self.thread.is_alive() and self.sock.fileno() != -1 and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def serve_api(settings: StudioSettings) -> int:
@@ -283,13 +297,20 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
 
     import gradio as gr
 
-    from studio.api.app import ServingState
+    from studio.api.app import ServingState, create_app
     from studio.controller import Studio
     from studio.ui.app import CSS, api_app_kwargs, attach_api, build_ui
 
     recorder = open_recorder(settings)
     serving = ServingState(engine, options, recorder=recorder, source="api")
     serving.jobs = start_jobs(serving, recorder, settings)  # resumes unfinished jobs (docs/jobs.md)
+    # The API serves from now on while Gradio builds the page (seconds); /health stays "starting" until
+    # the whole studio is up (README, first section).
+    front.api = create_app(serving)
+    front.record_refused(recorder, serving.served_model_name)
+    delay = float(os.environ.get(UI_DELAY_ENV) or 0)
+    if delay > 0:  # test-only (see UI_DELAY_ENV)
+        time.sleep(delay)
     studio = Studio(
         engine,
         serving,

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from studio.launch import LOAD_DELAY_ENV
+from studio.launch import LOAD_DELAY_ENV, UI_DELAY_ENV, BackgroundServer
 from studio.starting import StartingApp
 from tests.servers import free_port
 
@@ -35,7 +35,7 @@ CHAT = {
 class Starting:
     """An ``omni-studio`` process started with a slow engine load (stopped by PID)."""
 
-    def __init__(self, args: list[str], data_dir: Path, delay_s: float) -> None:
+    def __init__(self, args: list[str], data_dir: Path, delay_s: float, ui_delay_s: float = 0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data_dir.mkdir(parents=True, exist_ok=True)
@@ -48,7 +48,7 @@ class Starting:
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, LOAD_DELAY_ENV: str(delay_s)},
+                env={**os.environ, LOAD_DELAY_ENV: str(delay_s), UI_DELAY_ENV: str(ui_delay_s)},
             )
 
     def log(self) -> str:
@@ -85,8 +85,8 @@ class Starting:
 
 
 @contextlib.contextmanager
-def starting(args: list[str], data_dir: Path, delay_s: float = 15):
-    server = Starting(args, data_dir, delay_s)
+def starting(args: list[str], data_dir: Path, delay_s: float = 15, ui_delay_s: float = 0):
+    server = Starting(args, data_dir, delay_s, ui_delay_s)
     try:
         yield server
     finally:
@@ -146,12 +146,22 @@ def test_serve_answers_while_the_engine_loads_then_serves(tmp_path):
 def test_ui_shows_the_loading_state_then_works(tmp_path):
     from gradio_client import Client
 
-    with starting(["ui", "--ar-backend", "transformers"], tmp_path) as server:
+    with starting(["ui", "--ar-backend", "transformers"], tmp_path, ui_delay_s=20) as server:
         page, after_s = server.first_answer("/")
         assert page.status_code == 200 and after_s < 15
         assert "loading model tiny-glm-image" in page.text
         assert "/health" in page.text  # it polls and reloads itself when the studio is ready
         assert_not_ready(server)
+        # The engine is loaded, the page still builds: the API already generates; /health says so.
+        deadline = time.monotonic() + 120
+        while httpx.get(server.url + "/health", timeout=5).json().get("api") != "ready":
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.2)
+        response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
+        assert response.status_code == 200, response.text
+        health = httpx.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json() == {"status": "starting", "api": "ready"}
+        assert "loading model" in httpx.get(server.url + "/", timeout=5).text
         server.wait_ready()
         refused_while_loading_are_recorded(tmp_path, 1)
         page = httpx.get(server.url + "/", timeout=10)
@@ -224,3 +234,69 @@ def test_starting_app_answers_and_then_hands_over():
     assert api.status_code == 503 and api.json()["error"]["code"] == "engine_not_ready"
     assert handed_health.status_code == 503 and handed_health.headers["retry-after"] == "2"
     assert handed_models.status_code == 200 and handed_models.json() == {"data": []}
+
+
+def test_starting_app_serves_the_api_before_the_page():
+    async def scenario() -> list[httpx.Response]:
+        from fastapi import FastAPI
+
+        front = StartingApp("some-model", page=True)
+        api = FastAPI()
+        api.add_api_route("/v1/models", lambda: {"data": [{"id": "some-model"}]})
+        front.api = api
+        transport = httpx.ASGITransport(app=front)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [await client.get("/"), await client.get("/health"), await client.get("/v1/models")]
+
+    page, health, models = asyncio.run(scenario())
+    assert page.status_code == 200 and "loading model some-model" in page.text
+    assert health.status_code == 503 and health.json() == {"status": "starting", "api": "ready"}
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "some-model"
+
+
+def test_the_loading_server_frees_its_port_at_once_and_finishes_requests_in_flight(tmp_path):
+    """The UI's hand-over: the port is free for Gradio while a generation sent earlier still finishes."""
+    import socket
+    import threading
+
+    from studio.launch import listen
+    from studio.settings import StudioSettings
+
+    async def slow(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await asyncio.sleep(2)
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+        )
+        await send({"type": "http.response.body", "body": b"finished"})
+
+    port = free_port()
+    server = BackgroundServer(slow, listen(StudioSettings(data_dir=tmp_path, host="127.0.0.1", port=port)))
+    url = f"http://127.0.0.1:{port}/v1/anything"
+    deadline = time.monotonic() + 10
+    while True:  # the server is up when it accepts
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    answers: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answers.append(httpx.get(url, timeout=30)))
+    client.start()
+    time.sleep(0.5)  # the request is in flight
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 1.5, "stop() waited for the request in flight"
+    with socket.socket() as successor:  # what launch() does next: bind the same port
+        successor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        successor.bind(("127.0.0.1", port))
+    client.join(timeout=30)
+    assert answers and answers[0].status_code == 200 and answers[0].text == "finished"
