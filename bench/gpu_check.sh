@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: GLM-Image T2I with both stages on the GPU (AR on vLLM, DiT + VAE on diffusers), per-stage times,
-# greedy token parity vLLM vs transformers, the AR backend benchmark, then batch throughput at 1 and 8
-# clients over HTTP (bench/throughput.py).
+# greedy token parity vLLM vs transformers, the AR backend benchmark, batch throughput at 1 and 8
+# clients over HTTP (bench/throughput.py), then vLLM's own scale-out (tensor parallel over the GPUs with the
+# mp and Ray executors; docs/vllm.md).
 #
 #   bash bench/gpu_check.sh                      # the tiny model (64x64, 4 steps)
 #   bash bench/gpu_check.sh /models/GLM-Image    # a local GLM-Image checkpoint (1024x1024, 50 steps)
@@ -96,4 +97,42 @@ if [ "$MODEL" = tiny-glm-image ]; then
 else
   .venv/bin/python bench/throughput.py --model "$MODEL" --levels 1 8 --rounds 1 --per-client 1
 fi
+# vLLM's own scale-out (docs/vllm.md, "Scale-out"): the AR stage tensor-parallel over every GPU here, with
+# vLLM's multiprocessing executor and with its Ray executor (a local Ray instance; one GPU: the Ray executor
+# path at tensor_parallel_size 1). Token ids are compared with the single-GPU run above.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[ray]"  # the ray extra; torch stays as is
+.venv/bin/python - <<'PY'
+import os
+import tempfile
+
+import torch
+
+from engine.engine import build_engine
+from engine.events import RunFailed, RunFinished
+from engine.request import GenerationParams, GenerationRequest
+
+model, size, steps = os.environ["MODEL"], int(os.environ["SIZE"]), int(os.environ["STEPS"])
+gpus = torch.cuda.device_count()
+request = GenerationRequest("a red circle on a blue background, top left",
+                            GenerationParams(seed=42, temperature=0.0, height=size, width=size, num_inference_steps=steps))
+ids = {}
+for backend in ("none", "mp", "ray"):
+    stage0 = {"stage_id": 0, "backend": "vllm", "devices": "0", "enforce_eager": False}
+    if backend != "none":
+        stage0.update(devices=",".join(map(str, range(gpus))), tensor_parallel_size=gpus,
+                      distributed_executor_backend=backend)
+    deploy = {"stages": [stage0, {"stage_id": 1, "devices": "0"}]}
+    engine = build_engine(model, deploy, data_dir=tempfile.mkdtemp())
+    try:
+        last = list(engine.stream(engine.resolve(request)))[-1]
+    finally:
+        engine.close()
+    if isinstance(last, RunFailed):
+        raise SystemExit(f"[gpu_check] tensor_parallel_size {gpus} with {backend}: {last.message}")
+    assert isinstance(last, RunFinished)
+    ids[backend] = last.outputs[0].token_ids
+    label = "one GPU, no executor key" if backend == "none" else f"tensor_parallel_size {gpus}, {backend}"
+    print(f"[gpu_check] AR on vLLM, {label}: {len(ids[backend] or ())} tokens, "
+          f"same ids as one GPU: {ids[backend] == ids['none']}")
+PY
 echo "[gpu_check] done in $((SECONDS - started)) s"

@@ -214,6 +214,10 @@ class StageActor:
             else:
 
                 def run_batch() -> None:
+                    # As the engine's stage worker does in-process: the stage's own intra-op threads for the
+                    # thread that runs its model (the same float math, so the same bytes).
+                    if self.runner.intra_op_threads is not None:
+                        torch.set_num_threads(self.runner.intra_op_threads)
                     status, error = StageStatus.SUCCEEDED, None
                     try:
                         self.runner.run(jobs)
