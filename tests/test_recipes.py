@@ -278,6 +278,21 @@ def test_api_pngs_carry_the_recipe_and_no_clock(studio):
     assert expected.items() <= recipe["parameters"].items()
     assert recipe["parameters"]["negative_prompt"] == "blurry, dark"
 
+    # A stream's final image part: the same file.
+    body = {"messages": [{"role": "user", "content": prompt}], **CHAT, "stream": True}
+    with httpx.stream("POST", studio.url + "/v1/chat/completions", json=body, timeout=120) as stream:
+        lines = [line[6:] for line in stream.iter_lines() if line.startswith("data: {")]
+    parts = [
+        part
+        for chunk in map(json.loads, lines)
+        for choice in chunk["choices"]
+        if isinstance(choice["delta"].get("content"), list)
+        for part in choice["delta"]["content"]
+        if part.get("type") == "image_url"
+    ]
+    [streamed] = [base64.b64decode(p["image_url"]["url"].split(",", 1)[1]) for p in parts]
+    assert streamed == first
+
     # The images endpoint: inline and as a stored file, the same bytes and recipe.
     images = {"model": "tiny-glm-image", "prompt": prompt, "seed": 11, "size": "64x64", "n": 2}
     inline = httpx.post(studio.url + "/v1/images/generations", json=images, timeout=120).json()
