@@ -867,8 +867,4 @@ def build_engine(
 
 def engine_placement(engine: OmniEngine) -> dict[int, list[dict[str, Any]]]:
     """Where each stage runs: per stage, its Ray replicas (name, node, pid, load); empty when embedded."""
-    return {
-        sid: runner.placement()  # type: ignore[attr-defined]
-        for sid, runner in engine.runners.items()
-        if hasattr(runner, "placement")
-    }
+    return {sid: runner.placement() for sid, runner in engine.runners.items() if hasattr(runner, "placement")}

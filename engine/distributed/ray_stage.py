@@ -32,6 +32,7 @@ import pickle
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -185,16 +186,18 @@ class StageActor:
 
         modalities = self.stage.output_modalities
         jobs: list[StageJob] = []
+
+        def tagged(kind: str, i: int) -> Callable[[Any], None]:
+            return lambda item: put((kind, i, item))
+
         for i, spec in enumerate(specs):
             job = StageJob(
                 request_id=spec.request_id,
                 index=spec.index,
                 inputs=spec.inputs,
                 params=spec.params,
-                emit=lambda event, i=i: put(("event", i, event)),
-                accumulator=_ForwardingAccumulator(
-                    modalities, lambda payload, i=i: put(("output", i, payload))
-                ),
+                emit=tagged("event", i),
+                accumulator=_ForwardingAccumulator(modalities, tagged("output", i)),
             )
             if spec.cancelled:
                 job.cancel_event.set()
@@ -361,12 +364,12 @@ class RayStageRunner(StageRunner):
 
     # -- StageRunner -------------------------------------------------------------------------------
 
-    @property  # type: ignore[override]  # a class attribute on the base; here what the actors report
-    def concurrent(self) -> bool:
+    @property
+    def concurrent(self) -> bool:  # type: ignore[override]  # a class attribute on the base; what the actors say
         return self.remote_concurrent
 
     @property
-    def parallel_batches(self) -> int:  # type: ignore[override]
+    def parallel_batches(self) -> int:  # type: ignore[override]  # a class attribute on the base
         return len(self.replicas)
 
     @property
@@ -638,7 +641,7 @@ class RayPlacement:
     """Builds the stage runners of one engine on a Ray cluster."""
 
     def __init__(self, address: str, ray_config: RayConfig | None, model_cache: Path) -> None:
-        self.ray_config = ray_config or RayConfig()
+        self.ray_config = ray_config or RayConfig.model_validate({})
         self.address = address
         self.namespace = self.ray_config.namespace or "omni-studio"
         self.model_cache = Path(model_cache)
