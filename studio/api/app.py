@@ -48,6 +48,7 @@ from studio.api.protocol import (
     ModelCard,
     ModelList,
 )
+from studio.api.refusals import RefusalBudget, RefusalThrottle
 from studio.api.serving_base import ServingContext
 from studio.api.serving_chat import OpenAIServingChat
 from studio.api.serving_images import OpenAIServingImages
@@ -113,6 +114,7 @@ class ServingState:
         self._signer: URLSigner | None = None
         # Per-client in-flight counts outlive handler rebuilds (fingerprint changes, engine swaps).
         self.client_slots = ClientSlots(self.options.limits.max_in_flight_per_client)
+        self.refusals = RefusalBudget()  # refused-body bytes per client (studio/api/refusals.py)
         self.board = RequestBoard()  # requests in the engine, for the Queue panel (studio/inflight.py)
         self.jobs: JobService | None = None  # batch jobs (studio/jobs.py), set once the store is open
         if engine is not None:
@@ -647,5 +649,6 @@ def create_app(state: ServingState) -> FastAPI:
         title="Omni Studio API", version=__version__, openapi_url=None, docs_url=None, redoc_url=None
     )
     app.include_router(create_api_router(state))
+    app.add_middleware(RefusalThrottle, budget=state.refusals)
     app.state.serving = state
     return app

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -22,9 +21,9 @@ from fastapi import Request
 
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.events import EngineEvent, RunFailed, RunFinished
-from studio.api.auth import client_address
 from studio.api.errors import APIError
 from studio.api.metrics import APIMetrics
+from studio.api.refusals import client_key
 from studio.limits import InputLimits
 from studio.media import png_bytes
 from studio.runs import Recording, RunRejected, RunService, RunTracking
@@ -75,11 +74,7 @@ def client_id(raw_request: Request | None) -> str | None:
     it sends (hashed), so clients behind one address keep apart by key and keyless clients by address."""
     if raw_request is None:
         return None
-    header = raw_request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    key = token.strip() if scheme.lower() == "bearer" else ""
-    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16] if key else "-"
-    return f"{client_address(raw_request.scope)}|{digest}"
+    return client_key(raw_request.scope)
 
 
 WARNING_HEADER = "X-Omni-Studio-Warning"  # a request outside what the model supports (README, "The API")

@@ -85,20 +85,30 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
 
-def compact_payload(value: Any) -> Any:
-    """The request as received, with inline images (long ``data:`` URLs) replaced by a description.
+# A refused request's strings are kept up to this many characters: a client sending megabyte prompts
+# (refused by --max-prompt-chars) must not fill the database or make every refusal index a megabyte of
+# prompt text for search; the cut keeps the start, the length and a hash (docs/run-store.md).
+REFUSED_TEXT_KEPT = 4000
+
+
+def compact_payload(value: Any, max_text: int | None = None) -> Any:
+    """The request as received, with inline images (long ``data:`` URLs) replaced by a description, and
+    strings longer than ``max_text`` (when given) cut to their start, length and hash.
 
     Base64 images would make every history row megabytes; the decoded source image is stored as the
     run's ``source`` output instead.
     """
     if isinstance(value, dict):
-        return {k: compact_payload(v) for k, v in value.items()}
+        return {k: compact_payload(v, max_text) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [compact_payload(v) for v in value]
+        return [compact_payload(v, max_text) for v in value]
     if isinstance(value, str) and value.startswith("data:") and len(value) > MAX_INLINE_DATA_URL:
         header = value.split(",", 1)[0]
         digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
         return f"{header},<{len(value)} characters omitted; sha256 {digest}>"
+    if isinstance(value, str) and max_text is not None and len(value) > max_text:
+        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        return f"{value[:max_text]}…<{len(value)} characters in all, {len(value) - max_text} omitted; sha256 {digest}>"
     return value
 
 
@@ -398,7 +408,7 @@ class RunRecorder:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
         run_id = uuid.uuid4().hex
         created = time.time()
-        payload = compact_payload(request_payload or {})
+        payload = compact_payload(request_payload or {}, REFUSED_TEXT_KEPT)
         prompt = _prompt_of(payload)
         body, config_hash = self._config_body(config) if config is not None else (None, None)
 

@@ -95,9 +95,13 @@ def api_app_kwargs(serving: ServingState) -> dict[str, Any]:
     routes), so ``/health`` and ``/v1`` answer from the server's first request on."""
     from starlette.middleware import Middleware
 
+    from studio.api.refusals import RefusalThrottle
     from studio.starting import RetryAfterOn503
 
-    return {"routes": list(create_api_router(serving).routes), "middleware": [Middleware(RetryAfterOn503)]}
+    return {
+        "routes": list(create_api_router(serving).routes),
+        "middleware": [Middleware(RetryAfterOn503), Middleware(RefusalThrottle, budget=serving.refusals)],
+    }
 
 
 def attach_api(app, serving: ServingState) -> None:

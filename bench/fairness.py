@@ -1,0 +1,130 @@
+"""Fairness: other clients' latency while one client sends 1 MB prompts and walks away.
+
+Against a real `omni-studio serve` (default: tiny-glm-shapes with its shipped deploy config, 128x128),
+``--clients`` well-behaved clients send chat requests one after another; phases alternate over rounds:
+
+- quiet: only them;
+- abusive: meanwhile one more client keeps sending a 1 MB chat prompt (250,000 words) on a raw socket
+  and closes it without reading the answer (the studio refuses it: `--max-prompt-chars`, a 400 naming
+  `messages`; then, past the client's refused-bytes budget, 429s before the body is read:
+  studio/api/refusals.py).
+
+Prints the well-behaved clients' p50/p95 per phase, the ratio abusive/quiet per round and its median, and
+how many 1 MB requests were sent. Target: other clients' latency within 2x of normal.
+
+    .venv/bin/python bench/fairness.py [--rounds 3] [--clients 4] [--per-client 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.servers import running_server  # noqa: E402
+
+PROMPT = "a red circle on a blue background, top left"
+
+
+def huge_body() -> bytes:
+    """A 1 MB chat request: one message of 250,000 words."""
+    return json.dumps({"messages": [{"role": "user", "content": "cat " * 250_000}]}).encode()
+
+
+def send_and_walk_away(host: str, port: int, data: bytes) -> None:
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    ).encode()
+    try:
+        with socket.create_connection((host, port), timeout=30) as sock:
+            sock.sendall(head + data)
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # the server answered 429 without reading the body and closed: the next one
+        pass
+
+
+def well_behaved(url: str, client: int, per_client: int) -> list[float]:
+    times = []
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer client-{client}"}) as http:
+        for i in range(per_client):
+            body = {"messages": [{"role": "user", "content": PROMPT}], "seed": client * 100 + i}
+            started = time.perf_counter()
+            response = http.post(url + "/v1/chat/completions", json=body)
+            response.raise_for_status()
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def phase(url: str, clients: int, per_client: int, abusive: bool) -> tuple[list[float], int]:
+    stop = threading.Event()
+    sent = [0]
+
+    def abuse() -> None:
+        data = huge_body()
+        parsed = httpx.URL(url)
+        while not stop.is_set():
+            send_and_walk_away(parsed.host, parsed.port or 80, data)
+            sent[0] += 1
+
+    abuser = threading.Thread(target=abuse, daemon=True) if abusive else None
+    if abuser:
+        abuser.start()
+        time.sleep(0.5)
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda c: well_behaved(url, c, per_client), range(clients)))
+    stop.set()
+    if abuser:
+        abuser.join(timeout=30)
+    return [t for times in results for t in times], sent[0]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--per-client", type=int, default=3)
+    parser.add_argument("--model", default="tiny-glm-shapes")
+    args = parser.parse_args()
+    with running_server(["serve", "--model", args.model], Path(tempfile.mkdtemp())) as server:
+        well_behaved(server.url, 0, 1)  # warm-up
+        ratios, quiet_all, abusive_all, huge = [], [], [], 0
+        for round_ in range(args.rounds):
+            order = (False, True) if round_ % 2 == 0 else (True, False)
+            p50 = {}
+            for abusive in order:
+                times, sent = phase(server.url, args.clients, args.per_client, abusive)
+                huge += sent
+                (abusive_all if abusive else quiet_all).extend(times)
+                p50[abusive] = statistics.median(times)
+                label = f"abusive ({sent} x 1 MB sent)" if abusive else "quiet"
+                print(
+                    f"round {round_ + 1} {label:28}: p50 {p50[abusive]:.2f} s, p95 {pct(times, 0.95):.2f} s"
+                )
+            ratios.append(p50[True] / p50[False])
+    print(
+        f"\n{args.clients} clients, p50 quiet {statistics.median(quiet_all):.2f} s, "
+        f"with 1 MB prompts {statistics.median(abusive_all):.2f} s; ratio per round "
+        f"{min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f} (target <= 2.0); "
+        f"{huge} x 1 MB prompts sent"
+    )
+
+
+if __name__ == "__main__":
+    main()
