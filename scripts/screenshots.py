@@ -55,11 +55,64 @@ def shoot_recipe_drop(page, url: str, out: Path) -> None:
     page.set_viewport_size({"width": 1400, "height": 1000})
 
 
+SHAPES = (
+    "a red circle on a blue background, center",
+    "a yellow square on a purple background, top left",
+    "a green triangle on a cyan background, bottom right",
+)
+
+
+def shoot_jobs(page, url: str, out: Path) -> None:
+    """queue.png: the Queue panel with an API job running (its cells in the engine) and two jobs from the
+    Batch tab waiting; grid.png: the Batch tab with a finished job's grid (docs/jobs.md)."""
+    long_job = httpx.post(
+        url + "/v1/studio/jobs",
+        timeout=60,
+        json={
+            "name": "shapes x seeds (API)",
+            "prompts": list(SHAPES),
+            "seeds": list(range(1, 9)),
+            "x": {"param": "steps", "values": [4, 8]},
+        },
+    ).json()
+    page.goto(url + "/")
+    page.wait_for_selector("#omni-message textarea")
+    page.get_by_role("tab", name="Batch").click()
+    page.fill("#omni-batch-prompts textarea", "\n".join(SHAPES[:2]))
+    page.fill("#omni-batch-size textarea, #omni-batch-size input", "")
+    page.fill("#omni-batch-x-values textarea, #omni-batch-x-values input", "1.0, 1.5, 3.0")
+    page.fill("#omni-batch-y-values textarea, #omni-batch-y-values input", "4, 8")
+    for name in ("guidance x steps", "guidance x steps, again"):
+        page.fill("#omni-batch-name textarea, #omni-batch-name input", name)
+        page.click("#omni-batch-submit")
+        page.wait_for_function(
+            "n => document.querySelector('#omni-batch-jobs').innerText.includes(n)", arg=name
+        )
+    page.get_by_role("tab", name="Queue").click()
+    page.wait_for_function("document.querySelector('#omni-queue-table').innerText.includes('again')")
+    page.wait_for_timeout(2500)
+    page.screenshot(path=str(out / "queue.png"))
+    httpx.delete(f"{url}/v1/studio/jobs/{long_job['id']}", timeout=60)
+    page.get_by_role("tab", name="Batch").click()
+    page.locator("#omni-batch-jobs").get_by_text("guidance x steps", exact=True).filter(
+        visible=True
+    ).first.click()
+    page.wait_for_selector("#omni-batch-grid img", timeout=300_000)
+    page.wait_for_timeout(1500)
+    page.locator("#omni-batch-detail").scroll_into_view_if_needed()
+    page.screenshot(path=str(out / "grid.png"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
-    parser.add_argument("--only", choices=("recipe-drop",), default=None, help="make just this screenshot")
+    parser.add_argument(
+        "--only",
+        choices=("recipe-drop", "jobs"),
+        default=None,
+        help="make just this screenshot (jobs: queue.png and grid.png, best with --model tiny-glm-shapes)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     extra = ["--model", args.model] if args.model else []
@@ -84,6 +137,11 @@ def main() -> None:
             shoot_recipe_drop(page, server.url, args.out)
             browser.close()
             print(args.out / "recipe-drop.png")
+            return
+        if args.only == "jobs":
+            shoot_jobs(page, server.url, args.out)
+            browser.close()
+            print(args.out / "queue.png", args.out / "grid.png")
             return
         page.fill("#omni-message textarea", "a green triangle on a cyan background, bottom right")
         page.keyboard.press("Enter")
@@ -124,6 +182,7 @@ def main() -> None:
         page.screenshot(path=str(args.out / "system.png"))
 
         shoot_recipe_drop(page, server.url, args.out)
+        shoot_jobs(page, server.url, args.out)
         browser.close()
     for path in sorted(args.out.glob("*.png")):
         print(path)

@@ -38,7 +38,12 @@ class InFlight:
         if self.stage is None:
             return "waiting" if not self.stages_done else f"stage {self.stages_done}/{self.stages} done"
         unit = "tokens" if self.kind == "ar" else "steps"
-        counted = f" · {self.step}/{self.total} {unit}" if self.total else ""
+        # Runs that do not stream (API without stream, job cells) send no per-step events: the total only.
+        counted = (
+            f" · {self.step}/{self.total} {unit}"
+            if self.step
+            else (f" · {self.total} {unit}" if self.total else "")
+        )
         return f"stage {self.stages_done + 1}/{self.stages} ({self.kind}){counted}"
 
 

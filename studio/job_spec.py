@@ -90,7 +90,7 @@ class JobAxis(BaseModel):
     )
 
 
-SPEC_EXAMPLE = {
+SPEC_EXAMPLE: dict[str, Any] = {
     "name": "guidance vs steps",
     "prompts": ["a red circle on a blue background, center"],
     "seeds": [7],
@@ -145,7 +145,7 @@ class JobSpec(BaseModel):
         """Every cell in index order: prompts, then seeds, then Y values, then X values (fastest)."""
         x_count = len(self.x.values) if self.x else 1
         y_count = len(self.y.values) if self.y else 1
-        cells = []
+        cells: list[JobCell] = []
         for p, prompt in enumerate(self.prompts):
             for seed in self.seeds or [0]:
                 for y in range(y_count):

@@ -329,7 +329,8 @@ class JobService:
     def get(self, job_id: str, items: bool = True) -> JobRecord:
         return self.jobs.get_job(job_id, items=items)
 
-    def list(self, statuses: tuple[str, ...] | None = None, limit: int = 50) -> list[JobRecord]:
+    def list_jobs(self, statuses: tuple[str, ...] | None = None, limit: int = 50) -> list[JobRecord]:
+        """Jobs with one of ``statuses`` (all when None): active ones in queue order, others newest first."""
         return self.jobs.list_jobs(statuses, limit=limit)
 
     def positions(self) -> dict[str, int]:

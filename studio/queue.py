@@ -47,7 +47,8 @@ class Viewer:
         """The owner name a job this viewer submits gets (their login, else their session)."""
         logins = sorted(o for o in self.owners if o.startswith("ui:"))
         sessions = sorted(o for o in self.owners if o.startswith("ui-session:"))
-        return (logins or sessions or [None])[0]
+        found = logins or sessions
+        return found[0] if found else None
 
     def may_change(self, owner: str | None) -> bool:
         return self.admin or (owner is not None and owner in self.owners)
@@ -118,7 +119,7 @@ class QueueView:
         rows: list[QueueRow] = []
         if self.jobs is not None:
             positions = self.jobs.positions()
-            for job in self.jobs.list(ACTIVE_JOB_STATUSES, limit=200):
+            for job in self.jobs.list_jobs(ACTIVE_JOB_STATUSES, limit=200):
                 rows.append(
                     QueueRow(
                         "job",

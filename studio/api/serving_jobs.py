@@ -177,7 +177,7 @@ class StudioServingJobs:
             raise APIError(400, f"Invalid value for 'limit': a whole number from 1 to {MAX_LIST}", "limit")
         base = str(raw.base_url).rstrip("/")
         positions = self.jobs.positions()
-        jobs = self.jobs.list(statuses, limit=int(limit_text))
+        jobs = self.jobs.list_jobs(statuses, limit=int(limit_text))
         body = JobList(data=[self.job_object(job, base, positions) for job in jobs])
         return JSONResponse(body.model_dump(mode="json"))
 

@@ -325,8 +325,8 @@ class JobStore:
 
     @staticmethod
     def _count(connection: Connection, job_id: str) -> None:
-        counts = dict(
-            connection.execute(  # type: ignore[arg-type]
+        counts: dict[str, int] = dict(
+            connection.execute(
                 select(_items.c.status, func.count())
                 .where(_items.c.job_id == job_id)
                 .group_by(_items.c.status)

@@ -103,10 +103,11 @@ def job_rows(service: JobService | None) -> list[list[str]]:
     if service is None:
         return []
     rows = []
-    for job in service.list(limit=30):
-        progress = f"{job.done}/{job.total}"
-        if job.failed:
-            progress += f" ({job.failed} failed)"
+    for job in service.list_jobs(limit=30):
+        progress = f"{job.succeeded}/{job.total}"
+        notes = [f"{n} {what}" for n, what in ((job.failed, "failed"), (job.cancelled, "cancelled")) if n]
+        if notes:
+            progress += f" ({', '.join(notes)})"
         rows.append(
             [
                 job.id[:12],
@@ -298,7 +299,8 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
         row = evt.row_value if isinstance(evt.row_value, list) else None
         prefix = str(row[0]) if row else ""
         match = next(
-            (job for job in (service.list(limit=30) if service else []) if job.id.startswith(prefix)), None
+            (job for job in (service.list_jobs(limit=30) if service else []) if job.id.startswith(prefix)),
+            None,
         )
         if match is None or not prefix:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip()

@@ -54,7 +54,14 @@ def build_queue_tab(studio: Studio) -> dict[str, Any]:
 
     def rows(request: gr.Request) -> tuple[list[list[str]], str]:
         viewer = viewer_of(studio, request)
-        return [row.cells() for row in queue_view(studio).rows(viewer)], who_note(viewer)
+        found = queue_view(studio).rows(viewer)
+        jobs = sum(1 for row in found if row.kind == "job")
+        summary = (
+            f"{jobs} job(s) and {len(found) - jobs} request(s) queued or running."
+            if found
+            else "Nothing is queued or running."
+        )
+        return [row.cells() for row in found], f"{summary} {who_note(viewer)}"
 
     def pick(evt: gr.SelectData, request: gr.Request):
         row = evt.row_value if isinstance(evt.row_value, list) else None
