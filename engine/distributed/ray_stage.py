@@ -25,6 +25,7 @@ This module imports Ray at the top: it is imported only when a Ray address is gi
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -52,6 +53,7 @@ from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner
 log = logging.getLogger("omni_studio.engine.ray")
 
 POLL_S = 0.05  # how often a waiting call looks at its jobs' cancel flags (cancel reaches the actor within it)
+FLUSH_S = 0.05  # an actor sends progress at most this often per batch (a job's end at once)
 PROBE_S = 0.25  # how often a lost replica is asked whether it is back
 LOST = (RayActorError, ActorUnavailableError)  # ActorDiedError is a RayActorError
 
@@ -178,6 +180,7 @@ class StageActor:
     async def run(self, specs: list[JobSpec]) -> Any:
         """Run a batch; yields lists of messages as they come (a streaming generator method):
         ``("event", i, event)``, ``("output", i, payload)``, ``("done", i, status, error, counts...)``."""
+        started = time.perf_counter()
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
 
@@ -235,10 +238,22 @@ class StageActor:
                     target=run_batch, name=f"omni-ray-stage-{self.stage.stage_id}", daemon=True
                 ).start()
             remaining = len(jobs)
+            last_yield = loop.time()
             while remaining:
                 messages = [await inbox.get()]
-                while not inbox.empty():
-                    messages.append(inbox.get_nowait())
+                # Each yield costs the studio a round of Ray calls (~1 ms): progress gathers for up to
+                # FLUSH_S after the previous yield; a job's end goes out at once.
+                while True:
+                    while not inbox.empty():
+                        messages.append(inbox.get_nowait())
+                    wait = FLUSH_S - (loop.time() - last_yield)
+                    if wait <= 0 or any(m[0] == "end" for m in messages):
+                        break
+                    try:
+                        messages.append(await asyncio.wait_for(inbox.get(), wait))
+                    except TimeoutError:
+                        break
+                last_yield = loop.time()
                 out: list[tuple[Any, ...]] = []
                 for message in messages:
                     if message[0] != "end":
@@ -257,6 +272,7 @@ class StageActor:
                             job.output_tokens,
                             str(job.finish_reason),
                             job.scratch.get("max_new_tokens"),
+                            time.perf_counter() - started,  # the actor's own time for the job
                         )
                     )
                 yield out
@@ -336,6 +352,7 @@ class RayStageRunner(StageRunner):
         self.ray_config = ray_config
         self.namespace = namespace
         self.remote_concurrent = False
+        self.handoff_s: collections.deque[float] = collections.deque(maxlen=1000)  # per job, latest last
         self._lock = threading.Condition()
         self._rotation = itertools.count()
         self._closed = False
@@ -451,9 +468,12 @@ class RayStageRunner(StageRunner):
     # -- where the studio looks ----------------------------------------------------------------------
 
     def placement(self) -> list[dict[str, Any]]:
-        """Each replica: actor name, node, pid, batches in flight and served, whether it is up."""
+        """Each replica: actor name, node, pid, batches in flight and served, whether it is up; and the
+        stage's median hand-off (ms per job beyond the actor's own time) over its recent jobs."""
         with self._lock:
-            return [replica.describe() for replica in self.replicas]
+            handoff = sorted(self.handoff_s)
+            median = round(handoff[len(handoff) // 2] * 1000, 1) if handoff else None
+            return [{**replica.describe(), "handoff_ms_p50": median} for replica in self.replicas]
 
     # -- calls ----------------------------------------------------------------------------------------
 
@@ -481,6 +501,7 @@ class RayStageRunner(StageRunner):
         cancel_sent: set[int] = set()
         seen_any = False
         try:
+            sent = time.perf_counter()
             stream = replica.actor.run.options(num_returns="streaming").remote(specs)
             while True:
                 cancelled = [i for i, job in enumerate(jobs) if job.cancelled and i not in cancel_sent]
@@ -498,6 +519,8 @@ class RayStageRunner(StageRunner):
                 seen_any = True
                 for message in messages:
                     self._deliver(jobs, message, results)
+                    if message[0] == "done":  # what the trip cost beyond the actor's own time
+                        self.handoff_s.append(time.perf_counter() - sent - message[-1])
         except LOST as exc:
             raise _ReplicaLost(self._lost_message(replica, exc), _cause(exc), seen_any) from exc
         missing = [i for i in range(len(jobs)) if i not in results]
@@ -520,7 +543,7 @@ class RayStageRunner(StageRunner):
         elif kind == "output":
             job.add_output(message[2])
         elif kind == "done":
-            _, _, status, error, input_tokens, output_tokens, finish_reason, max_new = message
+            _, _, status, error, input_tokens, output_tokens, finish_reason, max_new, _ = message
             job.input_tokens, job.output_tokens = int(input_tokens), int(output_tokens)
             job.finish_reason = FinishReason(finish_reason)
             if max_new is not None:
