@@ -591,7 +591,7 @@ class JobService:
         tasks: dict[asyncio.Task[bool], JobItemRecord] = {}
         window = self._window(engine)
         cancelled = False
-        last_check = time.monotonic()
+        last_check = 0.0  # checked before the first cell starts (a cancel while its engine was built)
         try:
             while queue or tasks:
                 if not cancelled and time.monotonic() - last_check >= CANCEL_POLL_S:
