@@ -5,8 +5,11 @@ errors naming the key), their place in the config hash, the CLI flags, and outpu
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,3 +236,15 @@ def test_an_unusable_object_store_fails_at_start_naming_it(s3_endpoint: str, tmp
     with pytest.raises(StoreError) as info:
         open_output_files(tmp_path, "s3://no-such-bucket/x", [("endpoint_url", s3_endpoint)])
     assert "s3://no-such-bucket/x" in str(info.value) and "AWS_ENDPOINT_URL" in str(info.value)
+
+
+def test_ray_is_not_imported_without_a_ray_address():
+    """Embedded mode stays free of Ray: importing the studio and the engine never loads it."""
+    code = (
+        "import sys, engine.engine, studio.cli, studio.launch, studio.store.object_files; "
+        "print(json.dumps(sorted(m for m in ('ray', 's3fs') if m in sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True
+    ).stdout
+    assert json.loads(out) == []

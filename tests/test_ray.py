@@ -351,18 +351,3 @@ def test_a_node_that_leaves_sends_its_stage_to_the_other_replica(cluster, ray_en
     placement = {r["node_id"]: r for r in engine_placement(ray_engine)[1]}
     live = [r for r in placement.values() if r["up"]]
     assert len(live) == 1 and live[0]["node_id"] != spare
-
-
-def test_ray_is_not_imported_without_a_ray_address():
-    """Embedded mode stays free of Ray: importing the studio and the engine never loads it."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, engine.engine, studio.cli, studio.launch, studio.store.object_files; "
-        "print(json.dumps(sorted(m for m in ('ray', 's3fs') if m in sys.modules)))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True
-    ).stdout
-    assert json.loads(out) == []
