@@ -12,6 +12,7 @@ from typing import Any
 import gradio as gr
 import torch
 
+from engine.engine import engine_placement
 from engine.tiny import BUILTIN_MODELS
 from studio.controller import Studio
 
@@ -67,6 +68,7 @@ def system_info(studio: Studio) -> dict[str, Any]:
                 }
             )
     config = studio.config
+    placement = engine_placement(studio.engine)
     return {
         "devices": {
             "cpu_cores": os.cpu_count(),
@@ -90,6 +92,8 @@ def system_info(studio: Studio) -> dict[str, Any]:
                     "output": s.engine_output_type,
                     "batch_size": s.engine_args.batch_size,
                     "queue_depth": studio.engine.queue_depths().get(s.stage_id, 0),
+                    # On a Ray cluster (--ray-address): each replica's actor, node, pid and load.
+                    **({"ray_replicas": placement[s.stage_id]} if s.stage_id in placement else {}),
                 }
                 for s in config.stages
             ],
