@@ -87,3 +87,24 @@ def diffusion_engine(session_data_dir) -> Iterator:
     engine = _engine("tiny-diffusion", session_data_dir)
     yield engine
     engine.close()
+
+
+# -- browser tests (tests/browser.py) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    """Headless Chromium, one per test module."""
+    from tests.browser import chromium
+
+    with chromium() as launched:
+        yield launched
+
+
+@pytest.fixture()
+def page(browser, studio) -> Iterator:
+    """A fresh page on the module's ``studio`` server (each browser test module defines ``studio``)."""
+    from tests.browser import studio_page
+
+    with studio_page(browser, studio.url) as opened:
+        yield opened

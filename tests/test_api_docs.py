@@ -5,7 +5,6 @@ blocked) in `serve` and `ui` mode; signed output URLs; the client's field path i
 from __future__ import annotations
 
 import re
-import shutil
 from urllib.parse import urlsplit
 
 import pytest
@@ -18,18 +17,6 @@ from studio.api.errors import from_validation_error
 from studio.api.protocol import ChatCompletionRequest
 from studio.api.signing import URLSigner, load_secret
 from tests.servers import running_server
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +135,6 @@ def test_signed_urls_expire_and_resist_tampering(tmp_path):
 
 
 # -- offline docs in a browser ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
 
 
 def load_offline(browser, url: str, selector: str) -> tuple[str, list[str]]:

@@ -6,59 +6,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-import shutil
 import uuid
 
 import httpx
 import pytest
 
+from tests.browser import open_tab
 from tests.servers import running_server
 
 pytestmark = pytest.mark.browser
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(scope="module")
 def studio(tmp_path_factory):
     with running_server(["ui", "--ar-backend", "transformers"], tmp_path_factory.mktemp("studio")) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture()
-def page(browser, studio):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(studio.url + "/")
-    page.wait_for_selector("#omni-message textarea")
-    yield page
-    context.close()
-
-
-def open_tab(page, name: str) -> None:
-    page.get_by_role("tab", name=name).click()
 
 
 def set_number(page, elem_id: str, value: str) -> None:

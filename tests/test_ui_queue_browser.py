@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from tests.servers import running_server
-from tests.test_ui_browser import CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS
 
 pytestmark = pytest.mark.browser
 
@@ -22,27 +21,6 @@ def studio(tmp_path_factory):
     args = ["ui", "--model", "tiny-glm-shapes"]
     with running_server(args, tmp_path_factory.mktemp("queue-studio")) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture()
-def page(browser, studio):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(studio.url + "/")
-    page.wait_for_selector("#omni-message textarea")
-    yield page
-    context.close()
 
 
 def text_of(page, selector: str) -> str:

@@ -11,7 +11,6 @@ import pytest
 from PIL import Image
 
 from tests.servers import running_server
-from tests.test_ui_browser import TIMEOUT_MS, browser  # noqa: F401  (the shared Chromium fixture)
 
 pytestmark = pytest.mark.browser
 
@@ -22,17 +21,6 @@ def studio(tmp_path_factory):
         ["ui", "--ar-backend", "transformers"], tmp_path_factory.mktemp("recipe-ui")
     ) as server:
         yield server
-
-
-@pytest.fixture()
-def page(browser, studio):  # noqa: F811
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(studio.url + "/")
-    page.wait_for_selector("#omni-message textarea")
-    yield page
-    context.close()
 
 
 def number(page, elem_id: str) -> str:

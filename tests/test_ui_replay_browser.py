@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.browser import open_tab
 from tests.servers import running_server
-from tests.test_ui_browser import CHROMIUM, CHROMIUM_ARGS, TIMEOUT_MS, open_tab
 
 pytestmark = pytest.mark.browser
 
@@ -38,21 +38,6 @@ def studio(tmp_path_factory):
             )
             assert response.status_code == 200, response.text
         yield server
-
-
-@pytest.fixture()
-def page(studio):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
-        page = context.new_page()
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(studio.url + "/")
-        page.wait_for_selector("#omni-message textarea")
-        yield page
-        browser.close()
 
 
 def wait_for_text(page, selector: str, text: str) -> None:
