@@ -338,6 +338,18 @@ def test_a_killed_stage_actor_fails_its_run_and_the_next_one_succeeds(ray_server
         time.sleep(0.1)
 
 
+def test_a_stage_the_cluster_cannot_place_fails_the_start_saying_what_is_missing(cluster, tmp_path):
+    from engine.engine import EngineBuildError, build_engine
+
+    deploy = {**shapes_deploy(), "ray": {"start_timeout_s": 2}}
+    deploy["stages"][0]["resources"] = {"tpu_pod": 1}
+    with pytest.raises(EngineBuildError) as info:
+        build_engine("tiny-glm-shapes", deploy, data_dir=tmp_path, ray_address=cluster["address"])
+    message = str(info.value)
+    assert "stage 0 replica(s) 0 not started within 2 s" in message, message
+    assert "'tpu_pod': 1.0" in message and "node_b" in message and "docs/distributed.md" in message
+
+
 def test_a_node_that_leaves_sends_its_stage_to_the_other_replica(cluster, ray_engine):
     """Last in the module: it removes a worker node."""
     from engine.engine import engine_placement

@@ -397,6 +397,14 @@ class RayStageRunner(StageRunner):
     def load(self) -> None:
         """Wait until every replica is placed and has loaded its model (``ray.start_timeout_s``)."""
         timeout = self.ray_config.start_timeout_s
+        missing = self._missing_resources()
+        if missing:  # not an error yet: an autoscaler may add such a node
+            log.warning(
+                "stage %s asks Ray for %s, which no node of the cluster has now; waiting up to %.0f s",
+                self.stage_id,
+                missing,
+                timeout,
+            )
         pending = {replica.actor.describe.remote(): replica for replica in self.replicas}
         deadline = time.monotonic() + timeout
         while pending:
@@ -621,10 +629,25 @@ class RayStageRunner(StageRunner):
             log.warning("stage %s replica %s is back (pid %s)", self.stage_id, replica.index, replica.pid)
             return
 
-    def _placement_hint(self, indexes: list[int], timeout: float) -> str:
-        wanted = {"CPU": self.actor_options["num_cpus"], **self.actor_options["resources"]}
+    def _wanted(self) -> dict[str, float]:
+        wanted = {"CPU": float(self.actor_options["num_cpus"]), **self.actor_options["resources"]}
         if self.actor_options["num_gpus"]:
-            wanted["GPU"] = self.actor_options["num_gpus"]
+            wanted["GPU"] = float(self.actor_options["num_gpus"])
+        return wanted
+
+    def _missing_resources(self) -> dict[str, float]:
+        """What one actor asks for that no single node of the cluster has."""
+        try:
+            nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        except Exception:  # best effort: the wait itself reports what is wrong
+            return {}
+        wanted = self._wanted()
+        if any(all(node.get(k, 0) >= v for k, v in wanted.items()) for node in nodes):
+            return {}
+        return wanted
+
+    def _placement_hint(self, indexes: list[int], timeout: float) -> str:
+        wanted = self._wanted()
         try:
             total, free = ray.cluster_resources(), ray.available_resources()
         except Exception:  # the hint is best effort; the timeout itself is the error
