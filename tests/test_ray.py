@@ -134,6 +134,30 @@ def test_stages_run_on_their_nodes_and_give_the_embedded_bytes(cluster, ray_engi
     assert finished.outputs[0].output_tokens == alone.outputs[0].output_tokens
 
 
+def test_text_deltas_and_previews_stream_from_the_actors(cluster, ray_engine, chat_engine, tmp_path):
+    from engine.engine import build_engine
+    from engine.events import DiffusionStep, RunFinished, TextDelta
+    from engine.request import GenerationParams, GenerationRequest
+    from tests.conftest import tiny_deploy
+
+    events = list(ray_engine.stream(ray_engine.resolve(request(preview_every=4))))
+    previews = [e.preview for e in events if isinstance(e, DiffusionStep) and e.preview is not None]
+    assert len(previews) == 1 and previews[0].size == (128, 128)  # steps 4 (8 is the final image)
+
+    deploy = tiny_deploy("tiny-chat", stage0={"backend": "transformers"})
+    chat = build_engine("tiny-chat", deploy, data_dir=tmp_path, ray_address=cluster["address"])
+    try:
+        ask = GenerationRequest("hello there", GenerationParams(seed=1, max_tokens=12))
+        on_ray = list(chat.stream(chat.resolve(ask)))
+    finally:
+        chat.close()
+    alone = list(chat_engine.stream(chat_engine.resolve(ask)))
+    pieces = [e.text for e in on_ray if isinstance(e, TextDelta)]
+    assert len(pieces) > 1  # streamed piece by piece, not at the end
+    assert pieces == [e.text for e in alone if isinstance(e, TextDelta)]
+    assert isinstance(on_ray[-1], RunFinished) and on_ray[-1].text == "".join(pieces) == alone[-1].text
+
+
 def test_two_dit_replicas_both_take_work_under_concurrency(ray_engine):
     from engine.engine import engine_placement
 
