@@ -356,6 +356,10 @@ class RayStageRunner(StageRunner):
         self._lock = threading.Condition()
         self._rotation = itertools.count()
         self._closed = False
+        # The family's runner for this stage, never loaded here: the rules that need no model.
+        self._rules: StageRunner | None = None
+        if stage.kind == "diffusion" and model.path is not None:
+            self._rules = model.family.create_runner(stage, Path(model.path), torch.device("cpu"))
         token = secrets.token_hex(3)
         args = stage.engine_args
         # vLLM's Ray executor places its own GPU workers; the actor then holds none itself.
@@ -436,23 +440,13 @@ class RayStageRunner(StageRunner):
         super().close()
 
     def batch_key(self, job: StageJob) -> Any:
-        # The actor's runner decides what may share a batch; diffusers' rule needs only the job itself.
-        p = job.params
-        if self.kind == "diffusion":
-            return (
-                p.get("height"),
-                p.get("width"),
-                p.get("num_inference_steps"),
-                p.get("guidance_scale"),
-                p.get("negative_prompt"),
-                job.inputs.get("image") is not None,
-                id(job) if job.inputs.get("image") is not None else None,
-            )
-        return id(job)
+        # What may share a batch is the family runner's rule, asked of an unloaded copy of it (cheap: no
+        # weights); AR stages batch continuously on the actor and never ask.
+        return self._rules.batch_key(job) if self._rules is not None else id(job)
 
     def total_steps(self, job: StageJob) -> int:
-        if self.kind == "diffusion":
-            return int(job.params.get("num_inference_steps") or 0)
+        if self._rules is not None:
+            return self._rules.total_steps(job)
         return int(job.scratch.get("max_new_tokens", 0))
 
     def run(self, jobs: list[StageJob]) -> None:
