@@ -14,6 +14,7 @@ sends its stage's requests to the remaining replica.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from PIL import Image
 
 from tests.conftest import png
 from tests.servers import start_server
@@ -93,6 +95,16 @@ def request(prompt: str = PROMPT, seed: int = 7, **params: object):
 
 
 @pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """The same model embedded (the shipped preset), for byte comparisons."""
+    from engine.engine import build_engine
+
+    engine = build_engine("tiny-glm-shapes", data_dir=tmp_path_factory.mktemp("embedded"))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
 def ray_engine(cluster, tmp_path_factory):
     """tiny-glm-shapes: stage 0 on the head, two DiT replicas, one per worker node (``dit: 1`` each)."""
     from engine.engine import build_engine
@@ -105,10 +117,10 @@ def ray_engine(cluster, tmp_path_factory):
     engine.close()
 
 
-def test_stages_run_on_their_nodes_and_give_the_embedded_bytes(cluster, ray_engine, session_data_dir):
+def test_stages_run_on_their_nodes_and_give_the_embedded_bytes(cluster, ray_engine, embedded):
     import ray
 
-    from engine.engine import build_engine, engine_placement
+    from engine.engine import engine_placement
     from engine.events import DiffusionStep, RunFinished, TokenProgress
 
     nodes = [n for n in ray.nodes() if n["Alive"]]
@@ -125,11 +137,7 @@ def test_stages_run_on_their_nodes_and_give_the_embedded_bytes(cluster, ray_engi
     assert any(isinstance(e, TokenProgress) and e.stage_id == 0 for e in events)
     assert [e.step for e in events if isinstance(e, DiffusionStep)] == list(range(1, 9))
 
-    embedded = build_engine("tiny-glm-shapes", data_dir=session_data_dir)
-    try:
-        alone = embedded.run(request())
-    finally:
-        embedded.close()
+    alone = embedded.run(request())
     assert png(finished.images[0]) == png(alone.images[0])
     assert finished.outputs[0].output_tokens == alone.outputs[0].output_tokens
 
@@ -273,13 +281,17 @@ def ray_server(cluster, s3, tmp_path_factory):
 AUTH = {"Authorization": "Bearer k"}
 
 
-def test_serve_on_ray_stores_and_serves_outputs_in_s3(ray_server, s3):
+def test_serve_on_ray_stores_and_serves_outputs_in_s3(ray_server, s3, embedded):
     body = {"model": "tiny-glm-shapes", "prompt": PROMPT, "seed": 3, "response_format": "url"}
     response = httpx.post(ray_server.url + "/v1/images/generations", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     url = response.json()["data"][0]["url"]
     served = httpx.get(url if url.startswith("http") else ray_server.url + url, timeout=30)
     assert served.status_code == 200 and served.content.startswith(b"\x89PNG")
+    # What a user gets is the embedded studio's picture, and its recipe names the same config.
+    image = Image.open(io.BytesIO(served.content))
+    assert image.tobytes() == embedded.run(request(seed=3)).images[0].tobytes()
+    assert json.loads(image.text["omni_studio"])["config_hash"] == embedded.config_hash
     sha = url.split("/v1/outputs/")[1].split(".png")[0]
     fs = s3["fs"]
     fs.invalidate_cache()

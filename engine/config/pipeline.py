@@ -114,9 +114,14 @@ class StageEngineArgs:
         return int(self.num_replicas or 1)
 
     def to_dict(self) -> dict[str, Any]:
-        data = {f.name: getattr(self, f.name) for f in fields(self)}
-        # Keys added after the first release appear only when set, so a config that does not use them
-        # keeps its config hash (and the fingerprints and history rows made from it).
+        """The engine args that decide what a stage computes (the snapshot, the hash, PNG recipes).
+
+        Placement on a Ray cluster (``num_replicas``, ``resources``) changes no output and is left out,
+        so a pipeline on Ray snapshots, hashes and writes PNGs exactly like the same pipeline embedded
+        (docs/distributed.md). Keys added after the first release appear only when set, so a config that
+        does not use them keeps its hash (and the fingerprints and history rows made from it).
+        """
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in PLACEMENT_ENGINE_ARGS}
         for key in OPTIONAL_ENGINE_ARGS:
             if data[key] is None:
                 del data[key]
@@ -124,9 +129,8 @@ class StageEngineArgs:
 
 
 # Engine args left out of the config dict when unset (see StageEngineArgs.to_dict).
-OPTIONAL_ENGINE_ARGS = ("distributed_executor_backend", "num_replicas", "resources")
-# Where a stage runs and how many copies: they change no output, so they stay out of the config hash (a
-# pipeline on a Ray cluster hashes like the same pipeline embedded; docs/distributed.md).
+OPTIONAL_ENGINE_ARGS = ("distributed_executor_backend",)
+# Where a stage runs and how many copies: never in the config dict (see StageEngineArgs.to_dict).
 PLACEMENT_ENGINE_ARGS = ("num_replicas", "resources")
 
 ENGINE_ARG_FIELDS = tuple(f.name for f in fields(StageEngineArgs))
@@ -218,13 +222,8 @@ class PipelineConfig:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def config_hash(self) -> str:
-        """sha256 of the canonical JSON of the resolved pipeline (models, stages, engine args), placement
-        on a Ray cluster (``num_replicas``, ``resources``) left out."""
-        data = self.to_dict()
-        for stage in data["stages"]:
-            for key in PLACEMENT_ENGINE_ARGS:
-                stage["engine_args"].pop(key, None)
-        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        """sha256 of the canonical JSON of the resolved pipeline (models, stages, engine args)."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
     @property
     def hash8(self) -> str:
@@ -249,6 +248,12 @@ class PipelineConfig:
                 parts.append(f"backend={s.backend}")
             parts.append(f"devices={s.engine_args.devices}")
             parts.append(f"max_num_seqs={s.engine_args.max_num_seqs}")
+            if s.engine_args.num_replicas:
+                parts.append(f"replicas={s.engine_args.num_replicas}")
+            if s.engine_args.resources:
+                parts.append(
+                    "resources=" + ",".join(f"{k}:{v:g}" for k, v in s.engine_args.resources.items())
+                )
             lines.append("  " + "  ".join(parts))
         return "\n".join(lines)
 
