@@ -293,24 +293,26 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
     if generated_key:
         options = replace(options, api_key=generated_key)
     engine = start_engine(settings)
-    preload.join()
-
-    import gradio as gr
 
     from studio.api.app import ServingState, create_app
-    from studio.controller import Studio
-    from studio.ui.app import CSS, api_app_kwargs, attach_api, build_ui
 
     recorder = open_recorder(settings)
     serving = ServingState(engine, options, recorder=recorder, source="api")
     serving.jobs = start_jobs(serving, recorder, settings)  # resumes unfinished jobs (docs/jobs.md)
-    # The API serves from now on while Gradio builds the page (seconds); /health stays "starting" until
-    # the whole studio is up (README, first section).
+    # The API serves from now on, while Gradio still imports and builds the page (seconds); /health stays
+    # "starting" until the whole studio is up (README, first section).
     front.api = create_app(serving)
     front.record_refused(recorder, serving.served_model_name)
     delay = float(os.environ.get(UI_DELAY_ENV) or 0)
     if delay > 0:  # test-only (see UI_DELAY_ENV)
         time.sleep(delay)
+    preload.join()
+
+    import gradio as gr
+
+    from studio.controller import Studio
+    from studio.ui.app import CSS, api_app_kwargs, attach_api, build_ui
+
     studio = Studio(
         engine,
         serving,
