@@ -18,18 +18,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 from tests.servers import running_server  # noqa: E402
-
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 def shoot_recipe_drop(page, url: str, out: Path) -> None:
@@ -128,7 +118,7 @@ def main() -> None:
                 timeout=120,
                 json={"messages": [{"role": "user", "content": prompt}], "seed": seed},
             )
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.set_default_timeout(60_000)
         page.goto(server.url + "/")
