@@ -90,3 +90,52 @@ def running_server(args: list[str], data_dir: Path, **kwargs) -> Iterator[LiveSe
         yield server
     finally:
         server.stop()
+
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str) -> Iterator[str]:
+    """moto's S3-compatible server on 127.0.0.1 (its own process, stopped by PID) with ``bucket`` made,
+    and the AWS variables that reach it set here; yields the endpoint URL.
+
+    Its own process, not moto's in-process server: that imports Flask into the test process, and vLLM's
+    start-up scans every module's globals, where Flask's context proxies raise outside a request.
+    """
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    saved = {key: os.environ.get(key) for key in S3_ENV}
+    os.environ.update(S3_ENV)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "moto's server exited"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(endpoint, timeout=2).status_code < 500:
+                    break
+            assert time.monotonic() < deadline, "moto's server did not start"
+            time.sleep(0.1)
+        httpx.put(f"{endpoint}/{bucket}", timeout=10).raise_for_status()
+        yield endpoint
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)

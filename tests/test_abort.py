@@ -28,7 +28,16 @@ MEASURED: list[float] = []
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    with running_server(["serve", "--model", "tiny-chat"], tmp_path_factory.mktemp("abort-chat")) as server:
+    # min_tokens: a long prompt's request decodes at least 100 tokens after its prefill (a random tiny
+    # model may otherwise end at once), so a client can still walk away from it while it runs.
+    data_dir = tmp_path_factory.mktemp("abort-chat")
+    deploy = tiny_deploy("tiny-chat")
+    deploy["stages"][0]["default_sampling_params"]["min_tokens"] = 100
+    deploy_path = data_dir / "deploy.yaml"
+    deploy_path.write_text(yaml.safe_dump(deploy))
+    with running_server(
+        ["serve", "--model", "tiny-chat", "--deploy-config", str(deploy_path)], data_dir
+    ) as server:
         yield server
 
 
@@ -206,7 +215,7 @@ def test_disconnect_during_the_prefill_of_a_long_prompt_frees_the_engine(chat_se
     before = set(latest_status(chat_server))
     body = {
         "messages": [{"role": "user", "content": " ".join(["cat"] * 940)}],
-        "max_tokens": 100,
+        "max_tokens": 120,
         "stream": stream,
     }
     closed_at, _ = start_and_drop(

@@ -8,6 +8,7 @@ models are built once into ``$OMNI_STUDIO_MODEL_CACHE`` (``scripts/test.sh`` poi
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import time
@@ -224,8 +225,17 @@ def test_cli_run_png_identical_across_backends(model_cache: Path, tmp_path: Path
             ]
         )
         assert code == 0
-        outputs[backend] = out.read_bytes()
-    assert outputs["vllm"] == outputs["transformers"]
+        outputs[backend] = Image.open(out)
+    vllm, transformers = outputs["vllm"], outputs["transformers"]
+    # The same picture, pixel for pixel; the files differ only where the recipe names the backend (its
+    # config snapshot and hash, docs/recipes.md).
+    assert vllm.tobytes() == transformers.tobytes()
+    assert vllm.info["parameters"] == transformers.info["parameters"]
+    recipes = [json.loads(image.info["omni_studio"]) for image in (vllm, transformers)]
+    assert [r["config"]["stages"][0]["backend"] for r in recipes] == ["vllm", "transformers"]
+    for recipe in recipes:
+        del recipe["config"], recipe["config_hash"]
+    assert recipes[0] == recipes[1]
 
 
 # -- chat -------------------------------------------------------------------------------------------

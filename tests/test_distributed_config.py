@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from engine.config import DeployConfigError
 from engine.engine import build_engine, build_pipeline_config
 from engine.models import describe_model
 from studio.cli import main
+from tests.servers import s3_server
 
 SHAPES = describe_model("tiny-glm-shapes")
 
@@ -178,29 +178,8 @@ def test_vllm_gets_the_scale_out_args(model_cache: Path) -> None:
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    saved = {
-        k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-    }
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1"
-    )
-    import s3fs
-
-    s3fs.S3FileSystem(endpoint_url=f"http://{host}:{port}").mkdir("shared")
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
+    with s3_server("shared") as endpoint:
+        yield endpoint
 
 
 def test_output_files_in_an_object_store_are_shared_between_studios(s3_endpoint: str, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ import yaml
 from PIL import Image
 
 from tests.conftest import png
-from tests.servers import start_server
+from tests.servers import s3_server, start_server
 
 pytestmark = pytest.mark.ray
 
@@ -218,32 +218,10 @@ def test_cancel_reaches_the_actor(ray_engine):
 @pytest.fixture(scope="module")
 def s3():
     """moto's S3-compatible server on 127.0.0.1 with a bucket, and the AWS variables that reach it."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     import s3fs
 
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint)
-    fs.mkdir("omni-outputs")
-    try:
-        yield {"endpoint": endpoint, "fs": fs}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        server.stop()
+    with s3_server("omni-outputs") as endpoint:
+        yield {"endpoint": endpoint, "fs": s3fs.S3FileSystem(endpoint_url=endpoint)}
 
 
 @pytest.fixture(scope="module")
