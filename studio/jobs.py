@@ -46,7 +46,8 @@ from studio.grid import compose_grid, grid_layout
 from studio.inflight import RequestBoard
 from studio.job_spec import AXIS_NAMES, CellParameters, JobCell, JobSpec, JobSpecError, SpecProblem
 from studio.limits import InputLimits
-from studio.media import png_bytes
+from studio.media import attach_png_text, png_bytes
+from studio.recipes import grid_recipe_chunks
 from studio.runs import RunRejected, RunService
 from studio.store.files import PNG
 from studio.store.jobs import FINISHED_ITEM_STATUSES, JobItemRecord, JobNotFound, JobRecord, JobStore
@@ -729,6 +730,7 @@ class JobService:
             else:
                 images[item.index] = image
         grid = compose_grid(grid_layout(spec, job.label), images, notes)
+        attach_png_text(grid, grid_recipe_chunks(job.id, job.label, job.spec))  # docs/recipes.md
         data = png_bytes(grid)
         sha, _ = self.store.write_file(data, PNG)
         grid_run = uuid.uuid5(GRID_NAMESPACE, job.id).hex

@@ -216,6 +216,33 @@ def png_text_chunks(data: bytes, name: str = "the file") -> dict[str, str]:
         raise RecipeError(f"{name} is not a readable PNG ({exc})") from exc
 
 
+GRID_KEY = "grid"  # in a job grid's JSON chunk: the job spec (no single request to restore)
+
+
+def grid_recipe_chunks(job_id: str, label: str, spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """The text chunks of a batch job's grid PNG: a ``parameters`` line naming the job and its axes (what
+    A1111 readers show), and our JSON chunk holding the job spec, so the grid can be submitted again
+    (``omni-studio batch``; docs/jobs.md). No clock: the same job and cells give the same bytes."""
+    axes = [
+        f"{name.upper()}: {axis.get('name')} {_quote(axis.get('values'))}"
+        for name, axis in (("x", spec.get("x")), ("y", spec.get("y")))
+        if isinstance(axis, dict)
+    ]
+    settings = [
+        f"Grid: {label}",
+        f"Prompts: {len(spec.get('prompts') or [])}",
+        f"Seeds: {_quote(spec.get('seeds'))}",
+        *axes,
+    ]
+    if spec.get("model"):
+        settings.append(f"Model: {spec['model']}")
+    body = {"recipe": RECIPE_VERSION, GRID_KEY: spec, "job": job_id, "studio_version": __version__}
+    return [
+        (PARAMETERS_KEY, f"grid of {label}\n" + ", ".join(settings)),
+        (RECIPE_KEY, json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)),
+    ]
+
+
 def read_recipe(data: bytes, name: str = "the file") -> Recipe:
     """The recipe in PNG ``data``: our ``omni_studio`` chunk, else an A1111 ``parameters`` chunk.
 
@@ -223,6 +250,11 @@ def read_recipe(data: bytes, name: str = "the file") -> Recipe:
     """
     chunks = png_text_chunks(data, name)
     notes: list[str] = []
+    if RECIPE_KEY in chunks and _is_grid(chunks[RECIPE_KEY]):
+        raise RecipeError(
+            f"{name} is a batch job's grid: its '{RECIPE_KEY}' chunk holds the job, not one request; "
+            "submit the job again with omni-studio batch or the Batch tab (docs/jobs.md)"
+        )
     if RECIPE_KEY in chunks:
         try:
             return parse_recipe_json(chunks[RECIPE_KEY])
@@ -237,6 +269,14 @@ def read_recipe(data: bytes, name: str = "the file") -> Recipe:
         f"{name} carries no recipe: it has no '{RECIPE_KEY}' or '{PARAMETERS_KEY}' text chunk "
         "(PNGs saved by Omni Studio or A1111 have one)"
     )
+
+
+def _is_grid(text: str) -> bool:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get(GRID_KEY), dict)
 
 
 def parse_recipe_json(text: str) -> Recipe:

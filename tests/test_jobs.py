@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
+import json
 import os
 import signal
 import time
@@ -27,6 +28,7 @@ from studio.job_spec import JobSpec, JobSpecError, load_job_file, parse_job_spec
 from studio.jobs import JobService, cell_request
 from studio.limits import InputLimits
 from studio.queue import QueueError, QueueView, Viewer
+from studio.recipes import RecipeError, read_recipe
 from studio.runs import RunService
 from studio.store import RunFilter, open_store
 from studio.store.jobs import JobStore
@@ -288,6 +290,12 @@ def test_a_job_runs_each_cell_once_as_a_recorded_run_and_records_its_grid(store,
     assert grid_run.outputs[0].sha256 == job.grid_sha256
     with Image.open(service.grid_path(job)) as grid:
         assert grid.width > 2 * 128 and grid.height > 2 * 128  # two columns, two rows of 128 px cells
+        # The grid carries its job (docs/recipes.md): an A1111-style line and the spec, no clock.
+        assert grid.info["parameters"].startswith(f"grid of {job.label}\nGrid: {job.label}, Prompts: ")
+        carried = json.loads(grid.info["omni_studio"])
+        assert carried["grid"] == job.spec and carried["job"] == job.id
+    with pytest.raises(RecipeError, match="is a batch job's grid"):
+        read_recipe(service.grid_path(job).read_bytes(), "grid.png")
 
 
 def test_model_and_deploy_axes_run_on_engines_built_for_them(store, recorder, diffusion_engine):
