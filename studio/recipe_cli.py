@@ -17,19 +17,8 @@ from studio.recipe_runs import BY_FILE, compare_with_original, parameter_changes
 from studio.recipes import Recipe, RecipeError, read_recipe
 from studio.settings import StudioSettings
 
-# `run` fields a recipe fills when they are not given on the command line.
-RECIPE_RUN_FIELDS = (
-    "prompt",
-    "image",
-    "seed",
-    "height",
-    "width",
-    "steps",
-    "guidance",
-    "negative_prompt",
-    "temperature",
-)
-# The same fields as recipe parameter names (for "what the user changed on purpose").
+# `run` flags a recipe fills when they are not given on the command line, and their recipe parameter
+# names (for "what the user changed on purpose").
 _PARAMETER_OF = {
     "seed": "seed",
     "height": "height",
@@ -39,6 +28,7 @@ _PARAMETER_OF = {
     "negative_prompt": "negative_prompt",
     "temperature": "temperature",
 }
+RECIPE_RUN_FIELDS = ("prompt", "image", *_PARAMETER_OF)
 
 
 def read_png(path: str, flag: str) -> bytes:
