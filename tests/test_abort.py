@@ -28,11 +28,12 @@ MEASURED: list[float] = []
 
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory):
-    # min_tokens: a long prompt's request decodes at least 100 tokens after its prefill (a random tiny
-    # model may otherwise end at once), so a client can still walk away from it while it runs.
+    # min_tokens: a long prompt's request decodes at least 1000 tokens after its prefill (a random tiny
+    # model may otherwise end at once; 1000 tokens take seconds), so the client surely walks away from a
+    # running request, however late the test sees it start.
     data_dir = tmp_path_factory.mktemp("abort-chat")
     deploy = tiny_deploy("tiny-chat")
-    deploy["stages"][0]["default_sampling_params"]["min_tokens"] = 100
+    deploy["stages"][0]["default_sampling_params"]["min_tokens"] = 1000
     deploy_path = data_dir / "deploy.yaml"
     deploy_path.write_text(yaml.safe_dump(deploy))
     with running_server(
@@ -209,13 +210,14 @@ def test_a_request_cancelled_while_queued_never_runs(image_server):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_disconnect_during_the_prefill_of_a_long_prompt_frees_the_engine(chat_server, stream):
-    """A prompt near tiny-chat's 2048-token context: the client goes away as soon as the engine takes it
-    (in its prefill: the first forward over ~1900 tokens), and the engine is free within the budget."""
+    """A ~1000-token prompt (half tiny-chat's context): the client goes away as soon as the engine takes it
+    (its prefill, one forward over the whole prompt, or its first tokens), and the engine is free within
+    the budget."""
     url = chat_server.url + "/v1/chat/completions"
     before = set(latest_status(chat_server))
     body = {
-        "messages": [{"role": "user", "content": " ".join(["cat"] * 940)}],
-        "max_tokens": 120,
+        "messages": [{"role": "user", "content": " ".join(["cat"] * 1000)}],
+        "max_tokens": 1040,
         "stream": stream,
     }
     closed_at, _ = start_and_drop(
