@@ -7,11 +7,11 @@ loop: sampling parameters, seeding, per-token progress and text deltas, stop on 
 Two loops (docs/batching.md):
 
 - A family that offers a :class:`FastDecoder` gets the lean loop, continuously batched: each request is
-  prefilled alone as it arrives, then joins the rows decoding together, one forward per token for all, with transformers' own
-  logits processors and a ``torch.Generator`` per request seeded with the request seed. The decoder keeps
-  every row's float math identical to running alone (and to ``generate``), so token ids, and the pictures
-  made from them, never depend on the neighbours; ``tests/test_ar_decode.py`` checks the ids against
-  ``generate`` and ``tests/test_batch_invariance.py`` checks alone == batched.
+  prefilled alone as it arrives, then joins the rows decoding together, one forward per token for all,
+  with transformers' own logits processors and a ``torch.Generator`` per request seeded with the request
+  seed. The decoder keeps every row's float math identical to running alone, so token ids, and the
+  pictures made from them, never depend on the neighbours (``tests/test_batch_invariance.py``), and picks
+  ``generate``'s ids (``tests/test_ar_decode.py``).
 - Otherwise (or for generation options the lean loop does not implement) ``generate`` runs one request at
   a time after reseeding the process-global torch RNG with the request seed, as GLM-Image's own pipeline
   does.
@@ -110,6 +110,9 @@ class FastDecoder(Protocol):
         """Feed each row its last token (``tokens``: (B,)); ``steps[i]`` = tokens row i generated before
         this one. Returns float32 logits (B, V)."""
 
+    def release(self, state: Any) -> None:
+        """The row is done (finished, cancelled or failed): free what its state holds."""
+
 
 @dataclass
 class _Row:
@@ -118,7 +121,7 @@ class _Row:
     job: StageJob
     prepared: ARInputs
     processors: LogitsProcessorList
-    eos: torch.Tensor | None
+    eos: frozenset[int]  # ids that end the row
     sample: bool
     generator: torch.Generator | None
     sequence: torch.Tensor  # prompt + room for every new token: the ids the processors see
@@ -307,7 +310,7 @@ class TransformersARStage(StageRunner):
         """One token for every row; finished rows report done at once. Returns the rows still decoding."""
         decoder = self.fast_decoder()
         try:
-            tokens = [self._next_token(row) for row in rows]
+            tokens = self._next_tokens(rows)
             for row in rows:
                 if row.done:
                     self._end_row(row, StageStatus.CANCELLED if row.job.cancelled else StageStatus.SUCCEEDED)
@@ -316,20 +319,22 @@ class TransformersARStage(StageRunner):
             if live and decoder is not None:
                 logits = decoder.step(
                     [row.state for row in live],
-                    torch.stack([token for _, token in chosen]),
+                    torch.tensor([token for _, token in chosen], device=live[0].sequence.device),
                     [row.generated - 1 for row in live],
                 )
                 for i, row in enumerate(live):
                     row.logits = logits[i : i + 1]
             return live
         except Exception as exc:  # a failing forward fails the rows in it, never the stage
-            for row in rows:
-                if not row.done:
-                    row.done = True
-                    self._end_row(row, StageStatus.FAILED, exc)
+            for row in rows:  # rows that already reported are skipped by _end_row
+                row.done = True
+                self._end_row(row, StageStatus.FAILED, exc)
             return []
 
     def _end_row(self, row: _Row, status: StageStatus, error: Exception | None = None) -> None:
+        decoder = self.fast_decoder()
+        if row.state is not None and decoder is not None:
+            decoder.release(row.state)
         row.state = row.logits = None
         done, row.on_done = row.on_done, None
         if done is None:
@@ -380,7 +385,7 @@ class TransformersARStage(StageRunner):
             job=job,
             prepared=prepared,
             processors=processors,
-            eos=None if eos is None else eos.reshape(-1),
+            eos=frozenset() if eos is None else frozenset(eos.reshape(-1).tolist()),
             sample=sample,
             generator=generator,
             sequence=sequence,
@@ -404,8 +409,23 @@ class TransformersARStage(StageRunner):
             self._generation_configs[key] = self.model._prepare_generation_config(None, **kwargs)
         return self._generation_configs[key]
 
-    def _next_token(self, row: _Row) -> torch.Tensor:
-        """Pick the row's next token as ``generate`` would (processors, then argmax or multinomial)."""
+    def _next_tokens(self, rows: list[_Row]) -> list[int]:
+        """Every row's next token. Greedy rows without processors take one argmax for all (the first
+        maximum of each row either way, so the same ids as alone)."""
+        plain = [i for i, row in enumerate(rows) if not row.sample and not row.processors]
+        picked: dict[int, int] = {}
+        if len(plain) > 1:
+            scores = torch.cat([cast(torch.Tensor, rows[i].logits) for i in plain])
+            picked = dict(zip(plain, torch.argmax(scores, dim=-1).tolist(), strict=True))
+        tokens = []
+        for i, row in enumerate(rows):
+            token = picked[i] if i in picked else self._pick(row)
+            self._take(row, token)
+            tokens.append(token)
+        return tokens
+
+    def _pick(self, row: _Row) -> int:
+        """The row's next token as ``generate`` would pick it (processors, then argmax or multinomial)."""
         scores = row.logits
         assert scores is not None
         if row.processors:
@@ -417,20 +437,17 @@ class TransformersARStage(StageRunner):
                 scores = processor(seen, cast(torch.FloatTensor, scores))
         if row.sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
-            token = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]
-        else:
-            token = torch.argmax(scores, dim=-1)[0]
+            return int(torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0])
+        return int(torch.argmax(scores, dim=-1)[0])
+
+    def _take(self, row: _Row, token: int) -> None:
+        """Append the token; the row is done at its limit, an end id, or a cancel."""
         row.sequence[row.length] = token
         row.length += 1
         row.generated += 1
-        if (
-            row.generated >= row.prepared.max_new_tokens
-            or (row.eos is not None and bool((row.eos == token).any()))
-            or row.job.cancelled
-        ):
+        if row.generated >= row.prepared.max_new_tokens or token in row.eos or row.job.cancelled:
             row.done = True
         self._report(row)
-        return token
 
     def _report(self, row: _Row) -> None:
         """Deltas and progress at most every PROGRESS_INTERVAL_S (and at the end)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -12,6 +11,15 @@ from PIL import Image
 from engine.processors import grid_layout
 from engine.stages.ar_transformers import ARInputs, FastDecoder, TransformersARStage
 from engine.stages.base import StageJob
+from engine.stages.decode_slabs import (
+    MIN_ROWS,
+    KVSlab,
+    SlabRow,
+    bucket_length,
+    padded_rows,
+    rows_independent,
+    slots_independent,
+)
 
 if TYPE_CHECKING:
     from transformers import BatchFeature, GlmImageProcessor
@@ -20,39 +28,23 @@ AR_COMPONENT = "vision_language_encoder"
 PROCESSOR_COMPONENT = "processor"
 
 
-@dataclass
-class _GlmRow:
-    """One request's decode state: a preallocated KV cache and the rotary tables of its decode positions.
-
-    ``keys[l]`` / ``values[l]`` hold layer ``l``'s cache, shape (1, heads, capacity, head_dim); the first
-    ``length`` positions are filled. ``cos`` / ``sin`` (decode length, rotary dim) are the rotary tables
-    of the tokens still to come, computed once at prefill (rotary is element-wise per position, so this
-    is exactly what computing them token by token gives); ``sin`` carries ``rotate_half``'s sign.
-    """
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    length: int
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for x of shape (B, 1, K), each row bit-identical to ``module(x[i : i + 1])``.
-
-    One (B, K) matrix product takes a different CPU kernel than B products of one row (the last bits
-    differ, docs/batching.md); a batched product of B single-row products (``bmm``) takes the same one.
-    """
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x of shape (B, 1, K), each row bit-identical to the row alone:
+    the fallback where padded products are not row-independent on this machine (a batched product of B
+    single-row products, ``bmm``, takes the one-row kernel; docs/batching.md)."""
     if x.shape[0] == 1:
-        return F.linear(x, module.weight, module.bias)
-    out = torch.bmm(x, module.weight.t().expand(x.shape[0], -1, -1))
-    return out if module.bias is None else out + module.bias
+        return F.linear(x, weight, bias)
+    out = torch.bmm(x, weight.t().expand(x.shape[0], -1, -1))
+    return out if bias is None else out + bias
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """``GlmImageRMSNorm.forward`` op for op, without the module call (a third of a decode step's calls);
     the casts to and from float32 are skipped when they would be no-ops."""
     dtype = x.dtype
+    if dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        # torch's rms_norm is these same ops (bit-identical in float32), without the Python in between.
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     hidden = x if dtype == torch.float32 else x.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
@@ -63,26 +55,39 @@ class GlmImageDecoder:
     """The lean decode step for ``GlmImageForConditionalGeneration`` (text-to-image prompts).
 
     Prefill is the model's own forward (it computes the M-RoPE positions of the prompt and of every token
-    still to come, from the ``<sop>h w<eop>`` grids); its cache is copied into a preallocated one and the
+    still to come, from the ``<sop>h w<eop>`` grids); its cache moves into a :class:`KVSlab` slot and the
     rotary tables of every position to come are computed once. Decoding then runs the text decoder's layers
-    with plain functional calls: no cache concatenation, no per-token rotary or module-call overhead.
-    Everything row-wise (embedding, norms, projections, rotary, MLP, LM head) runs for the whole batch at
-    once (matrix products as ``bmm`` of single rows, see :func:`_linear`); attention runs per row on the
-    row's own cache, with the same shapes as alone, so no row's logits depend on its neighbours (no
-    padding, no masks). This mirrors ``GlmImageTextDecoderLayer.forward`` op for op (the same float math);
-    ``tests/test_ar_decode.py`` checks the ids against ``generate`` and ``tests/test_batch_invariance.py``
-    alone against batched.
+    with plain functional calls, one call per operation for the whole batch: the rows' products padded to
+    ``MIN_ROWS`` rows, attention once per slab over the slab's live rows (engine/stages/decode_slabs.py says
+    why each row still gets exactly its alone bits). This mirrors ``GlmImageTextDecoderLayer.forward``
+    op for op; ``tests/test_ar_decode.py`` checks the ids against ``generate`` and
+    ``tests/test_batch_invariance.py`` alone against batched.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, max_rows: int = 8) -> None:
         self.model = model
         self.text = model.model.language_model
+        self.max_rows = max(1, max_rows)
         config = self.text.config
         self.usable = (
             config._attn_implementation == "sdpa"
             and config.num_attention_heads == config.num_key_value_heads
             and not model.training
         )
+        self.slabs: dict[int, KVSlab] = {}
+        self._padded: bool | None = None  # rows_independent, checked on the decode thread (its kernels)
+        self._slots_checked: dict[tuple[int, int, int], bool] = {}  # slots_independent per cache shape
+        # q, k and v in one product per layer (rows_independent checks the fused shape too).
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        for layer in self.text.layers:
+            projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+            biases = [p.bias for p in projections]
+            self.qkv.append(
+                (
+                    torch.cat([p.weight for p in projections]),
+                    None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases)),
+                )
+            )
 
     _perm: torch.Tensor | None = None
 
@@ -102,7 +107,34 @@ class GlmImageDecoder:
             and (mask is None or bool(mask.all()))
         )
 
-    def prefill(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, _GlmRow]:
+    def _linears(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        layer = self.text.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        modules = [attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.model.lm_head]
+        return [self.qkv[0], *[(m.weight, m.bias) for m in modules]]
+
+    @property
+    def padded(self) -> bool:
+        if self._padded is None:
+            self._padded = rows_independent(self._linears(), self.max_rows)
+        return self._padded
+
+    def _slab(self, length: int, rotary: int, like: torch.Tensor) -> KVSlab:
+        slab = self.slabs.get(length)
+        if slab is None:
+            config = self.text.config
+            heads, head_dim = like.shape[1], like.shape[-1]
+            slab = KVSlab.allocate(
+                config.num_hidden_layers, heads, head_dim, length, rotary, like.dtype, like.device
+            )
+            shape = (length, heads, head_dim)
+            if shape not in self._slots_checked:
+                self._slots_checked[shape] = slots_independent(slab, heads, head_dim, self.max_rows)
+            slab.per_slot = not self._slots_checked[shape]
+            self.slabs[length] = slab
+        return slab
+
+    def prefill(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, SlabRow]:
         # What generate's first forward gets: no attention mask (all ones), positions computed inside.
         inputs = {k: v for k, v in model_inputs.items() if k != "attention_mask"}
         out = self.model(
@@ -118,81 +150,117 @@ class GlmImageDecoder:
             raise RuntimeError("GLM-Image prefill left no decode positions (no target grid in the prompt?)")
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         cache = out.past_key_values
-        length = cache.get_seq_length()
-        capacity = length + positions.shape[-1]
-        keys, values = [], []
-        for layer in cache.layers:
-            key = layer.keys.new_empty(*layer.keys.shape[:2], capacity, layer.keys.shape[-1])
-            value = layer.values.new_empty(*layer.values.shape[:2], capacity, layer.values.shape[-1])
-            key[:, :, :length] = layer.keys
-            value[:, :, :length] = layer.values
-            keys.append(key)
-            values.append(value)
+        filled = cache.get_seq_length()
         decode_positions = positions[0].clone()  # (3, decode length)
         cos, sin = self.text.rotary_emb(logits, position_ids=decode_positions[:, None, :])
         half = cos.shape[-1] // 2
         # rotate_half(x) * sin == x[..., perm] * (sign * sin), exactly: the sign flip is exact in floats.
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype=sin.dtype, device=sin.device)
-        return logits, _GlmRow(keys=keys, values=values, length=length, cos=cos[0], sin=sin[0] * sign)
+        keys = [layer.keys for layer in cache.layers]
+        slab = self._slab(bucket_length(filled + decode_positions.shape[-1]), cos.shape[-1], keys[0])
+        row = slab.add(keys, [layer.values for layer in cache.layers], cos[0], sin[0] * sign)
+        return logits, row
+
+    def release(self, state: Any) -> None:
+        row = cast(SlabRow, state)
+        slab = row.slab
+        if slab is None:
+            return
+        slab.remove(row)
+        if not slab.rows:  # memory goes back when a slab's last row leaves
+            self.slabs.pop(slab.length, None)
 
     def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
-        rows = cast("list[_GlmRow]", states)
-        batch = len(rows)
-        text = self.text
+        rows = cast("list[SlabRow]", states)
         for row in rows:
-            if row.length >= row.keys[0].shape[2]:
-                raise RuntimeError(f"GLM-Image decode ran past its {row.keys[0].shape[2]} cache positions")
-        hidden = F.embedding(tokens[:, None], text.embed_tokens.weight)  # (B, 1, D)
-        if batch == 1:
-            cos, sin = rows[0].cos[steps[0]][None, None, None], rows[0].sin[steps[0]][None, None, None]
-        else:
-            cos = torch.stack([row.cos[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
-            sin = torch.stack([row.sin[step] for row, step in zip(rows, steps, strict=True)])[:, None, None]
+            if row.slab is None or row.length >= row.slab.length:
+                raise RuntimeError("GLM-Image decode ran past its cache (or a released row was stepped)")
+        # Rows grouped by slab, each group in slot order; ``order`` maps the step's rows to the caller's.
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            groups.setdefault(id(row.slab), []).append(i)
+        order = [i for members in groups.values() for i in sorted(members, key=lambda i: rows[i].slot)]
+        identity = order == list(range(len(rows)))
+        if not identity:
+            tokens = tokens[torch.tensor(order, device=tokens.device)]
+            rows, steps = [rows[i] for i in order], [steps[i] for i in order]
+        batch = len(rows)
+        device = tokens.device
+        spans: list[tuple[KVSlab, int, int, torch.Tensor, torch.Tensor, bool]] = []
+        cos_parts, sin_parts = [], []
+        start = 0
+        while start < batch:
+            slab = cast(KVSlab, rows[start].slab)
+            end = start
+            while end < batch and rows[end].slab is slab:
+                end += 1
+            members = rows[start:end]
+            slots = torch.tensor([r.slot for r in members], device=device)
+            positions = torch.tensor([r.length for r in members], device=device)
+            at = torch.tensor(steps[start:end], device=device)
+            prefix = len(members) == len(slab.rows)  # every live row, in slot order: slots 0..n-1
+            slab.open(slots, positions)
+            cos_parts.append(slab.cos[slots, at])
+            sin_parts.append(slab.sin[slots, at])
+            spans.append((slab, start, end, slots, positions, prefix))
+            start = end
+        cos = (cos_parts[0] if len(cos_parts) == 1 else torch.cat(cos_parts))[:, None]  # (B, 1, rotary)
+        sin = (sin_parts[0] if len(sin_parts) == 1 else torch.cat(sin_parts))[:, None]
         rotary = cos.shape[-1]
-        perm = self._rotate_half_index(rotary, tokens.device)
+        perm = self._rotate_half_index(rotary, device)
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for one of q / k
+        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for q and k: (B, 2H, D)
+            if rotary == x.shape[-1]:
+                return x * cos + x[..., perm] * sin
             x_rot = x[..., :rotary]
             return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
 
+        padded = self.padded
+        width = max(batch, MIN_ROWS) if padded else batch
+
+        def linear(
+            module: torch.nn.Linear | tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor
+        ) -> torch.Tensor:
+            weight, bias = module if isinstance(module, tuple) else (module.weight, module.bias)
+            if padded:  # x: (width, K)
+                return F.linear(x, weight, bias)
+            return _linear(weight, bias, x[:, None])[:, 0]
+
+        text = self.text
+        hidden = F.embedding(padded_rows(tokens, width), text.embed_tokens.weight)  # (width, D)
         for layer_index, layer in enumerate(text.layers):
             attn = layer.self_attn
             residual = hidden
             hidden = _rms_norm(layer.input_layernorm, hidden)
-            shape = (batch, 1, -1, attn.head_dim)
-            query = rotate(_linear(attn.q_proj, hidden).view(shape).transpose(1, 2))
-            key = rotate(_linear(attn.k_proj, hidden).view(shape).transpose(1, 2))
-            value = _linear(attn.v_proj, hidden).view(shape).transpose(1, 2)
-            outputs = []
-            for i, row in enumerate(rows):
-                keys, values, end = row.keys[layer_index], row.values[layer_index], row.length
-                keys[:, :, end] = key[i, :, 0]
-                values[:, :, end] = value[i, :, 0]
-                outputs.append(
-                    F.scaled_dot_product_attention(
-                        query[i : i + 1],
-                        keys[:, :, : end + 1],
-                        values[:, :, : end + 1],
-                        attn_mask=None,
-                        dropout_p=0.0,
-                        scale=attn.scaling,
-                        is_causal=False,
-                    )
+            qkv = linear(self.qkv[layer_index], hidden)[:batch].view(batch, -1, attn.head_dim)
+            heads = qkv.shape[1] // 3
+            rotated = rotate(qkv[:, : 2 * heads])
+            query, key, value = rotated[:, :heads], rotated[:, heads:], qkv[:, 2 * heads :]
+            outputs = [
+                slab.attend(
+                    layer_index, slots, positions, query[a:b], key[a:b], value[a:b], attn.scaling, prefix
                 )
-            attended = (outputs[0] if batch == 1 else torch.cat(outputs)).transpose(1, 2).contiguous()
-            hidden = _linear(attn.o_proj, attended.reshape(batch, 1, -1).contiguous())
+                for slab, a, b, slots, positions, prefix in spans
+            ]
+            attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).reshape(batch, -1)
+            hidden = linear(attn.o_proj, padded_rows(attended, width))
             hidden = residual + _rms_norm(layer.post_self_attn_layernorm, hidden)
             residual = hidden
             mlp = layer.mlp
-            gate, up = _linear(mlp.gate_up_proj, _rms_norm(layer.post_attention_layernorm, hidden)).chunk(
+            gate, up = linear(mlp.gate_up_proj, _rms_norm(layer.post_attention_layernorm, hidden)).chunk(
                 2, dim=-1
             )
-            hidden = _linear(mlp.down_proj, up * mlp.activation_fn(gate))
+            hidden = linear(mlp.down_proj, up * mlp.activation_fn(gate))
             hidden = residual + _rms_norm(layer.post_mlp_layernorm, hidden)
         for row in rows:
             row.length += 1
         hidden = _rms_norm(text.norm, hidden)
-        return _linear(self.model.lm_head, hidden)[:, -1].to(copy=True, dtype=torch.float32)
+        logits = linear(self.model.lm_head, hidden)[:batch].to(copy=True, dtype=torch.float32)
+        if identity:
+            return logits
+        restored = torch.empty_like(logits)
+        restored[torch.tensor(order, device=device)] = logits
+        return restored
 
 
 class GlmImageARStage(TransformersARStage):
@@ -224,7 +292,7 @@ class GlmImageARStage(TransformersARStage):
         if self.model is None:
             return None
         if self._decoder is None or self._decoder.model is not self.model:
-            self._decoder = GlmImageDecoder(self.model)
+            self._decoder = GlmImageDecoder(self.model, self.max_batch_size)
         return self._decoder
 
     def prepare(self, job: StageJob) -> ARInputs:

@@ -1,0 +1,246 @@
+"""Batch-invariant pieces of a lean decode step: shared KV slabs and row-padded matrix products.
+
+A decode step that batches rows must give each row the float math it gets alone (docs/batching.md), and
+on the small models this runner serves, each torch call costs more than its arithmetic, so a step should
+make one call per operation for the whole batch, not one per row. Two properties of the CPU kernels make
+both possible; each is checked on the running machine before a decoder relies on it:
+
+- **Row-padded products.** A matrix product with at least :data:`MIN_ROWS` rows gives every row the same
+  bits whatever the row count and the row's position (measured: one row takes a matrix-vector kernel and
+  two or three rows another, from four rows on one kernel serves them all). A step therefore pads its
+  batch to ``MIN_ROWS`` rows, alone too, and makes one ``F.linear`` call per projection.
+  :func:`rows_independent` checks this per weight shape; where it fails the step multiplies row by row.
+- **Slabbed attention.** ``scaled_dot_product_attention`` over a (slots, heads, length, head_dim) cache
+  computes each (slot, head) on its own. A row's attention length is its cache capacity rounded up to
+  :data:`ATTENTION_BUCKET`, masked past the positions it has filled: a function of the row alone, so
+  the rows with one bucket live in one :class:`KVSlab` and share one attention call per layer.
+  :func:`slots_independent` checks this per slab shape; where it fails, attention runs slot by slot.
+
+The masked tail makes a row's logits differ from ``generate``'s in the last bits (the softmax sums over
+the bucket, not the exact length); token ids stay ``generate``'s (``tests/test_ar_decode.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 4
+ATTENTION_BUCKET = 64
+_INITIAL_SLOTS = 4
+
+
+def bucket_length(capacity: int) -> int:
+    """The attention length of a row that will fill ``capacity`` cache positions."""
+    return max(ATTENTION_BUCKET, math.ceil(capacity / ATTENTION_BUCKET) * ATTENTION_BUCKET)
+
+
+@dataclass(eq=False)
+class SlabRow:
+    """One request's place in a slab: its slot and how many cache positions it has filled."""
+
+    slab: KVSlab | None
+    slot: int
+    length: int
+
+
+@dataclass(eq=False)
+class KVSlab:
+    """The decode caches of the rows that share one attention length.
+
+    ``keys[l]`` / ``values[l]``: layer ``l``'s cache, (slots, heads, length, head_dim); ``mask``: additive,
+    (slots, 1, 1, length), 0 where a row has filled its cache and -inf past it; ``cos`` / ``sin``:
+    (slots, length, rotary), the rotary tables of each row's decode steps. Rows hold slots 0..n-1 in
+    order of arrival; a row that leaves hands its slot to the last row, so the live rows are always a
+    prefix of the slab and a step reads them as views.
+    """
+
+    length: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: list[SlabRow] = field(default_factory=list)
+    per_slot: bool = False  # attention slot by slot (slots_independent failed for this shape)
+
+    @classmethod
+    def allocate(
+        cls,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        length: int,
+        rotary: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVSlab:
+        # Zeros, not empty: a masked position still multiplies its value by 0, and garbage could be NaN.
+        def cache() -> torch.Tensor:
+            return torch.zeros(_INITIAL_SLOTS, heads, length, head_dim, dtype=dtype, device=device)
+
+        return cls(
+            length=length,
+            keys=[cache() for _ in range(layers)],
+            values=[cache() for _ in range(layers)],
+            mask=torch.full((_INITIAL_SLOTS, 1, 1, length), -math.inf, dtype=dtype, device=device),
+            cos=torch.zeros(_INITIAL_SLOTS, length, rotary, dtype=dtype, device=device),
+            sin=torch.zeros(_INITIAL_SLOTS, length, rotary, dtype=dtype, device=device),
+        )
+
+    @property
+    def slots(self) -> int:
+        return self.mask.shape[0]
+
+    def _grow(self) -> None:
+        def doubled(t: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+            more = torch.full_like(t, fill)
+            return torch.cat([t, more])
+
+        self.keys = [doubled(t) for t in self.keys]
+        self.values = [doubled(t) for t in self.values]
+        self.mask = doubled(self.mask, -math.inf)
+        self.cos, self.sin = doubled(self.cos), doubled(self.sin)
+
+    def add(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+    ) -> SlabRow:
+        """A new row from its prefill cache (per layer (1, heads, filled, head_dim)) and its decode
+        steps' rotary tables ((steps, rotary))."""
+        if len(self.rows) == self.slots:
+            self._grow()
+        slot, filled = len(self.rows), keys[0].shape[2]
+        for layer, (key, value) in enumerate(zip(keys, values, strict=True)):
+            self.keys[layer][slot, :, :filled] = key[0]
+            self.values[layer][slot, :, :filled] = value[0]
+        self.mask[slot] = -math.inf
+        self.mask[slot, ..., :filled] = 0
+        self.cos[slot, : cos.shape[0]] = cos
+        self.sin[slot, : sin.shape[0]] = sin
+        row = SlabRow(slab=self, slot=slot, length=filled)
+        self.rows.append(row)
+        return row
+
+    def remove(self, row: SlabRow) -> None:
+        """Free the row's slot: the last row moves into it (the live rows stay a prefix)."""
+        last = self.rows.pop()
+        if last is not row:
+            slot = row.slot
+            for tensors in (self.keys, self.values, [self.mask, self.cos, self.sin]):
+                for t in tensors:
+                    t[slot] = t[last.slot]
+            last.slot = slot
+            self.rows[slot] = last
+        row.slab = None
+
+    def open(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Unmask the positions the rows' new tokens take (once per step, for every layer)."""
+        self.mask[slots, 0, 0, positions] = 0
+
+    def attend(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        prefix: bool,
+    ) -> torch.Tensor:
+        """Write the rows' new key/value (each (n, heads, head_dim)) at their positions and attend with
+        their queries ((n, heads, head_dim)); returns (n, heads, head_dim). ``prefix``: the rows are slots
+        0..n-1 in order (the slab's live rows), read as views; else they are gathered."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys[slots, :, positions] = key
+        values[slots, :, positions] = value
+        q = query[:, :, None]
+        if self.per_slot:
+            outs = [
+                F.scaled_dot_product_attention(
+                    q[i : i + 1],
+                    keys[s : s + 1],
+                    values[s : s + 1],
+                    attn_mask=self.mask[s : s + 1],
+                    scale=scale,
+                )
+                for i, s in enumerate(slots.tolist())
+            ]
+            return torch.cat(outs)[:, :, 0]
+        if prefix:
+            n = q.shape[0]
+            out = F.scaled_dot_product_attention(
+                q, keys[:n], values[:n], attn_mask=self.mask[:n], scale=scale
+            )
+            return out[:, :, 0]
+        out = F.scaled_dot_product_attention(
+            q, keys[slots], values[slots], attn_mask=self.mask[slots], scale=scale
+        )
+        return out[:, :, 0]
+
+
+def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` ((n, ...)) with zero rows appended up to ``rows``."""
+    if x.shape[0] >= rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def rows_independent(weights: list[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> bool:
+    """Whether ``F.linear`` gives every row the bits it gets alone (padded to :data:`MIN_ROWS`) for any
+    row count up to ``max_rows`` and any position, for each distinct weight shape here."""
+    seen: set[tuple[int, int, bool, torch.dtype]] = set()
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    for weight, bias in weights:
+        key = (weight.shape[0], weight.shape[1], bias is not None, weight.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        shifts = MIN_ROWS
+        count = max(max_rows, MIN_ROWS) + shifts
+        x = torch.randn(count, weight.shape[1], generator=generator).to(weight)
+        alone = torch.cat(
+            [F.linear(padded_rows(x[i : i + 1], MIN_ROWS), weight, bias)[:1] for i in range(count)]
+        )
+        for rows in range(MIN_ROWS, max(max_rows, MIN_ROWS) + 1):
+            for shift in range(shifts):
+                if not torch.equal(
+                    F.linear(x[shift : shift + rows], weight, bias), alone[shift : shift + rows]
+                ):
+                    return False
+    return True
+
+
+def slots_independent(slab: KVSlab, heads: int, head_dim: int, max_rows: int) -> bool:
+    """Whether attention over the first n slots of a cache shaped like ``slab``'s, and over gathered
+    slots, gives each slot the bits it gets alone, for n up to ``max_rows``."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    n = max(max_rows, 2)
+    dtype, length = slab.mask.dtype, slab.length
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype=dtype, device=slab.mask.device)
+
+    q, k, v = (
+        randn(n, heads, 1, head_dim),
+        randn(n, heads, length, head_dim),
+        randn(n, heads, length, head_dim),
+    )
+    mask = torch.full((n, 1, 1, length), -math.inf, dtype=dtype, device=slab.mask.device)
+    for i in range(n):
+        mask[i, ..., : 1 + (i * 37) % length] = 0
+    scale = head_dim**-0.5
+
+    def attend(index: slice | torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q[index], k[index], v[index], attn_mask=mask[index], scale=scale
+        )
+
+    alone = torch.cat([attend(slice(i, i + 1)) for i in range(n)])
+    if not all(torch.equal(attend(slice(0, rows)), alone[:rows]) for rows in range(2, n + 1)):
+        return False
+    picked = torch.arange(n - 1, -1, -2)
+    return torch.equal(attend(picked), alone[picked])
