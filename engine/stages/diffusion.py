@@ -3,12 +3,22 @@
 Model families subclass :class:`DiffusersStage` to load their pipeline and map jobs to ``__call__``
 arguments; this module owns the call itself, the per-request generators and the step callback
 (``callback_on_step_end``, the one hook diffusers gives for progress).
+
+A family whose denoiser is batch-invariant once its linear layers multiply sample by sample (measured for
+GLM-Image's DiT, docs/batching.md) sets ``batch_invariant``: its ``per_sample_modules`` get per-sample
+linears while a batch runs, latents are decoded one sample at a time, and ``batch_group`` keeps apart the
+jobs whose text inputs would be padded to each other's length. Each image is then bit-identical to the
+one its request makes alone, so the stage can batch (deploy configs set how much, ``max_num_seqs``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 from abc import abstractmethod
 from collections.abc import Hashable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +30,50 @@ from engine.stages.base import StageCancelled, StageJob, StageRunner, intra_op_t
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
+log = logging.getLogger("omni_studio.engine")
+
+
+class _BatchSize(threading.local):
+    """The batch the calling thread's pipeline call is running (1 outside one)."""
+
+    size = 1
+
+
+def _split(value: Any, n: int, i: int) -> Any:
+    return (
+        value[i : i + 1] if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n else value
+    )
+
+
+def _joined(outputs: list[Any]) -> Any:
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outputs)
+    if isinstance(first, tuple | list):
+        return type(first)(_joined([out[k] for out in outputs]) for k in range(len(first)))
+    return first
+
+
+def _per_sample_forward(forward: Any, batch: _BatchSize, *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)``; inside a batch of n whose first input has the batch as its first
+    dimension, one sample at a time (arguments split where their first dimension is the batch)."""
+    n = batch.size
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if n <= 1 or not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] != n:
+        return forward(*args, **kwargs)
+    return _joined(
+        [
+            forward(*[_split(a, n, i) for a in args], **{k: _split(v, n, i) for k, v in kwargs.items()})
+            for i in range(n)
+        ]
+    )
+
+
+def per_sample(modules: list[torch.nn.Module], batch: _BatchSize) -> None:
+    """Make each module's forward run sample by sample while ``batch`` says a batch runs."""
+    for module in modules:
+        module.forward = partial(_per_sample_forward, module.forward, batch)
+
 
 class DiffusersStage(StageRunner):
     """A stage that turns its inputs into images with a diffusers pipeline."""
@@ -27,6 +81,16 @@ class DiffusersStage(StageRunner):
     kind = "diffusion"
     backend = "diffusers"
     pipe: DiffusionPipeline | None = None
+    batch_invariant = False  # see the module docstring
+
+    def per_sample_modules(self, pipe: DiffusionPipeline) -> list[torch.nn.Module]:
+        """The modules a batch-invariant family runs sample by sample inside a batch (its denoiser's linear
+        layers: their kernel depends on the row count; small per-sample tensors: their vectorization)."""
+        return []
+
+    def batch_group(self, job: StageJob) -> Hashable:
+        """What else must match for jobs to batch (a batch-invariant family: inputs padded together)."""
+        return None
 
     @property
     def pipeline(self) -> DiffusionPipeline:
@@ -47,6 +111,9 @@ class DiffusersStage(StageRunner):
         pipe = self.load_pipeline()
         pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
+        self._batch = _BatchSize()
+        if self.batch_invariant:
+            per_sample(self.per_sample_modules(pipe), self._batch)
         self.pipe = pipe
         self._threads = intra_op_threads_for(
             [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)], self.device
@@ -74,6 +141,7 @@ class DiffusersStage(StageRunner):
             p.get("negative_prompt"),
             job.inputs.get("image") is not None,
             id(job) if job.inputs.get("image") is not None else None,
+            self.batch_group(job),
         )
 
     def total_steps(self, job: StageJob) -> int:
@@ -115,20 +183,83 @@ class DiffusersStage(StageRunner):
         live = [job for job in jobs if not job.cancelled]
         if not live:
             raise StageCancelled()
-        total = int(live[0].params["num_inference_steps"])
-        generators = [torch.Generator(device="cpu").manual_seed(int(job.params["seed"])) for job in live]
-        kwargs = self.call_kwargs(live)
-        with torch.inference_mode():
-            result = self.pipeline(
-                **kwargs,
-                num_inference_steps=total,
-                generator=generators[0] if len(generators) == 1 else generators,
-                callback_on_step_end=self._step_callback(live, total),
-                callback_on_step_end_tensor_inputs=["latents"],
-                output_type="pil",
-            )
+        if len(live) == 1 or self._batches_identically(live):
+            self._denoise(live)
+            return
+        for job in live:  # this shape does not batch bit-identically on this machine: one at a time
+            with contextlib.suppress(StageCancelled):
+                self._denoise([job])
         if all(job.cancelled for job in live):
             raise StageCancelled()
-        for job, image in zip(live, result.images, strict=True):
+
+    def _images(self, jobs: list[StageJob], steps: int, **call: Any) -> list[Image.Image | None]:
+        """The jobs' pictures from one pipeline call (a batch when several), each with its own seed;
+        None for a job cancelled meanwhile. A batch-invariant family decodes the latents one by one."""
+        generators = [torch.Generator(device="cpu").manual_seed(int(job.params["seed"])) for job in jobs]
+        self._batch.size = len(jobs)
+        try:
+            with torch.inference_mode():
+                images = self.pipeline(
+                    **self.call_kwargs(jobs),
+                    num_inference_steps=steps,
+                    generator=generators[0] if len(generators) == 1 else generators,
+                    output_type="latent" if self.batch_invariant else "pil",
+                    **call,
+                ).images
+                if all(job.cancelled for job in jobs):
+                    raise StageCancelled()
+                if not self.batch_invariant:
+                    return list(images)
+                # The VAE sample by sample too (convolutions pick kernels by batch).
+                return [
+                    None if job.cancelled else self.latents_to_images(images[i : i + 1])[0]
+                    for i, job in enumerate(jobs)
+                ]
+        finally:
+            self._batch.size = 1
+
+    _batch_checks: dict[Hashable, bool] | None = None
+
+    @property
+    def batch_checks(self) -> dict[Hashable, bool]:
+        """Batch key -> whether such batches proved bit-identical here (see ``_batches_identically``)."""
+        return dict(self._batch_checks or {})
+
+    def _batches_identically(self, jobs: list[StageJob]) -> bool:
+        """Whether a batch gives each job the picture it gets alone, for jobs like these: checked once per
+        batch key, with one denoising step for two of them alone and together (shapes decide kernels and
+        vectorization, so one check per shape holds for every batch of it; docs/batching.md). A family
+        that does not take care of it (``batch_invariant``) usually fails and runs one job at a time."""
+        if self._batch_checks is None:
+            self._batch_checks = {}
+        key = self.batch_key(jobs[0])
+        if key not in self._batch_checks:
+            pair = jobs[:2]
+            alone = [self._images([job], 1)[0] for job in pair]
+            together = self._images(pair, 1)
+            same = all(
+                a is not None and b is not None and a.tobytes() == b.tobytes()
+                for a, b in zip(alone, together, strict=True)
+            )
+            if not same:
+                log.warning(
+                    "stage %s: batches of %s do not give each request its alone picture here; "
+                    "running them one at a time",
+                    self.stage_id,
+                    key,
+                )
+            self._batch_checks[key] = same
+        return self._batch_checks[key]
+
+    def _denoise(self, live: list[StageJob]) -> None:
+        total = int(live[0].params["num_inference_steps"])
+        images = self._images(
+            live,
+            total,
+            callback_on_step_end=self._step_callback(live, total),
+            callback_on_step_end_tensor_inputs=["latents"],
+        )
+        for job, image in zip(live, images, strict=True):
             job.output_tokens = 0
-            job.add_output({"image": [image]})
+            if image is not None:
+                job.add_output({"image": [image]})

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from PIL import Image
@@ -11,11 +12,27 @@ from engine.stages.base import StageJob
 from engine.stages.diffusion import DiffusersStage
 
 if TYPE_CHECKING:
-    from diffusers import GlmImagePipeline
+    from diffusers import DiffusionPipeline, GlmImagePipeline, GlmImageTransformer2DModel
 
 
 class GlmImageDiffusionStage(DiffusersStage):
-    """Stage 1: prior ids (+ source image) -> image, with ``GlmImagePipeline`` minus its AR half."""
+    """Stage 1: prior ids (+ source image) -> image, with ``GlmImagePipeline`` minus its AR half.
+
+    Batch-invariant (docs/batching.md): with per-sample linears the DiT gives each sample the bits it
+    gets alone; glyph prompts are encoded one prompt at a time and padded to the longest, so only jobs with
+    the same quoted texts batch together.
+    """
+
+    batch_invariant = True
+
+    def per_sample_modules(self, pipe: DiffusionPipeline) -> list[torch.nn.Module]:
+        transformer = cast("GlmImageTransformer2DModel", pipe.transformer)
+        linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
+        # The timestep / size conditioning: sin, cos and SiLU on (batch, few) tensors.
+        return [*linears, transformer.time_condition_embed]
+
+    def batch_group(self, job: StageJob) -> Hashable:
+        return tuple(self.pipeline.get_glyph_texts(job.inputs["prompt"])[0])
 
     def load_pipeline(self) -> GlmImagePipeline:
         from diffusers import GlmImagePipeline
