@@ -9,7 +9,8 @@ both possible; each is checked on the running machine before a decoder relies on
   bits whatever the row count and the row's position (measured: one row takes a matrix-vector kernel and
   two or three rows another, from four rows on one kernel serves them all). A step therefore pads its
   batch to ``MIN_ROWS`` rows, alone too, and makes one ``F.linear`` call per projection.
-  :func:`rows_independent` checks this per weight shape; where it fails the step multiplies row by row.
+  :func:`rows_independent` checks this (and the same for norms and activations); where it fails, rows
+  step one at a time.
 - **Slabbed attention.** ``scaled_dot_product_attention`` over a (slots, heads, length, head_dim) cache
   computes each (slot, head) on its own. A row's attention length is its cache capacity rounded up to
   :data:`ATTENTION_BUCKET`, masked past the positions it has filled: a function of the row alone, so
@@ -23,6 +24,7 @@ the bucket, not the exact length); token ids stay ``generate``'s (``tests/test_a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -158,6 +160,7 @@ class KVSlab:
         keys[slots, :, positions] = key
         values[slots, :, positions] = value
         q = query[:, :, None]
+        gqa = q.shape[1] != keys.shape[1]  # grouped-query attention: fewer key/value heads
         if self.per_slot:
             outs = [
                 F.scaled_dot_product_attention(
@@ -166,6 +169,7 @@ class KVSlab:
                     values[s : s + 1],
                     attn_mask=self.mask[s : s + 1],
                     scale=scale,
+                    enable_gqa=gqa,
                 )
                 for i, s in enumerate(slots.tolist())
             ]
@@ -173,11 +177,11 @@ class KVSlab:
         if prefix:
             n = q.shape[0]
             out = F.scaled_dot_product_attention(
-                q, keys[:n], values[:n], attn_mask=self.mask[:n], scale=scale
+                q, keys[:n], values[:n], attn_mask=self.mask[:n], scale=scale, enable_gqa=gqa
             )
             return out[:, :, 0]
         out = F.scaled_dot_product_attention(
-            q, keys[slots], values[slots], attn_mask=self.mask[slots], scale=scale
+            q, keys[slots], values[slots], attn_mask=self.mask[slots], scale=scale, enable_gqa=gqa
         )
         return out[:, :, 0]
 
@@ -189,45 +193,42 @@ def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
-def rows_independent(weights: list[tuple[torch.Tensor, torch.Tensor | None]], max_rows: int) -> bool:
-    """Whether ``F.linear`` gives every row the bits it gets alone (padded to :data:`MIN_ROWS`) for any
-    row count up to ``max_rows`` and any position, for each distinct weight shape here."""
-    seen: set[tuple[int, int, bool, torch.dtype]] = set()
+RowFunction = Callable[[torch.Tensor], torch.Tensor]
+
+
+def rows_independent(functions: list[tuple[RowFunction, int, torch.dtype]], max_rows: int) -> bool:
+    """Whether each row-wise function (``(fn, input width, dtype)``: (rows, width) -> (rows, ...)) gives
+    every row the bits it gets alone, padded to :data:`MIN_ROWS`, for any row count up to ``max_rows``
+    and at any position. A step's products, norms and activations are such functions; kernels pick their
+    code by row count (products) and by where a row falls in the vectorized loop (activations, and norms
+    past a few rows), so this is checked, not assumed."""
     generator = torch.Generator(device="cpu").manual_seed(0)
-    for weight, bias in weights:
-        key = (weight.shape[0], weight.shape[1], bias is not None, weight.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        shifts = MIN_ROWS
-        count = max(max_rows, MIN_ROWS) + shifts
-        x = torch.randn(count, weight.shape[1], generator=generator).to(weight)
-        alone = torch.cat(
-            [F.linear(padded_rows(x[i : i + 1], MIN_ROWS), weight, bias)[:1] for i in range(count)]
-        )
-        for rows in range(MIN_ROWS, max(max_rows, MIN_ROWS) + 1):
-            for shift in range(shifts):
-                if not torch.equal(
-                    F.linear(x[shift : shift + rows], weight, bias), alone[shift : shift + rows]
-                ):
+    top = max(max_rows, MIN_ROWS)
+    for fn, width, dtype in functions:
+        count = top + MIN_ROWS
+        x = torch.randn(count, width, generator=generator).to(dtype)
+        alone = torch.cat([fn(padded_rows(x[i : i + 1], MIN_ROWS))[:1] for i in range(count)])
+        for rows in range(MIN_ROWS, top + 1):
+            for shift in range(MIN_ROWS):
+                if not torch.equal(fn(x[shift : shift + rows]), alone[shift : shift + rows]):
                     return False
     return True
 
 
 def slots_independent(slab: KVSlab, heads: int, head_dim: int, max_rows: int) -> bool:
-    """Whether attention over the first n slots of a cache shaped like ``slab``'s, and over gathered
-    slots, gives each slot the bits it gets alone, for n up to ``max_rows``."""
+    """Whether attention over the first n slots of a cache shaped like ``slab``'s (queries with ``heads``
+    heads), and over gathered slots, gives each slot the bits it gets alone, for n up to ``max_rows``."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     n = max(max_rows, 2)
-    dtype, length = slab.mask.dtype, slab.length
+    dtype, length, kv_heads = slab.mask.dtype, slab.length, slab.keys[0].shape[1]
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype=dtype, device=slab.mask.device)
 
     q, k, v = (
         randn(n, heads, 1, head_dim),
-        randn(n, heads, length, head_dim),
-        randn(n, heads, length, head_dim),
+        randn(n, kv_heads, length, head_dim),
+        randn(n, kv_heads, length, head_dim),
     )
     mask = torch.full((n, 1, 1, length), -math.inf, dtype=dtype, device=slab.mask.device)
     for i in range(n):
@@ -236,7 +237,7 @@ def slots_independent(slab: KVSlab, heads: int, head_dim: int, max_rows: int) ->
 
     def attend(index: slice | torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            q[index], k[index], v[index], attn_mask=mask[index], scale=scale
+            q[index], k[index], v[index], attn_mask=mask[index], scale=scale, enable_gqa=heads != kv_heads
         )
 
     alone = torch.cat([attend(slice(i, i + 1)) for i in range(n)])

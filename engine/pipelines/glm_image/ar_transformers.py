@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -28,16 +29,6 @@ AR_COMPONENT = "vision_language_encoder"
 PROCESSOR_COMPONENT = "processor"
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x of shape (B, 1, K), each row bit-identical to the row alone:
-    the fallback where padded products are not row-independent on this machine (a batched product of B
-    single-row products, ``bmm``, takes the one-row kernel; docs/batching.md)."""
-    if x.shape[0] == 1:
-        return F.linear(x, weight, bias)
-    out = torch.bmm(x, weight.t().expand(x.shape[0], -1, -1))
-    return out if bias is None else out + bias
-
-
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """``GlmImageRMSNorm.forward`` op for op, without the module call (a third of a decode step's calls);
     the casts to and from float32 are skipped when they would be no-ops."""
@@ -57,9 +48,10 @@ class GlmImageDecoder:
     Prefill is the model's own forward (it computes the M-RoPE positions of the prompt and of every token
     still to come, from the ``<sop>h w<eop>`` grids); its cache moves into a :class:`KVSlab` slot and the
     rotary tables of every position to come are computed once. Decoding then runs the text decoder's layers
-    with plain functional calls, one call per operation for the whole batch: the rows' products padded to
+    with plain functional calls, one call per operation for the whole batch: the rows padded to
     ``MIN_ROWS`` rows, attention once per slab over the slab's live rows (engine/stages/decode_slabs.py says
-    why each row still gets exactly its alone bits). This mirrors ``GlmImageTextDecoderLayer.forward``
+    why each row still gets exactly its alone bits; where the machine's kernels fail that check, rows
+    step one at a time). This mirrors ``GlmImageTextDecoderLayer.forward``
     op for op; ``tests/test_ar_decode.py`` checks the ids against ``generate`` and
     ``tests/test_batch_invariance.py`` alone against batched.
     """
@@ -71,11 +63,11 @@ class GlmImageDecoder:
         config = self.text.config
         self.usable = (
             config._attn_implementation == "sdpa"
-            and config.num_attention_heads == config.num_key_value_heads
+            and config.num_attention_heads % config.num_key_value_heads == 0
             and not model.training
         )
         self.slabs: dict[int, KVSlab] = {}
-        self._padded: bool | None = None  # rows_independent, checked on the decode thread (its kernels)
+        self._independent: bool | None = None  # rows_independent, checked on the decode thread (its kernels)
         self._slots_checked: dict[tuple[int, int, int], bool] = {}  # slots_independent per cache shape
         # q, k and v in one product per layer (rows_independent checks the fused shape too).
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -107,29 +99,48 @@ class GlmImageDecoder:
             and (mask is None or bool(mask.all()))
         )
 
-    def _linears(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _row_functions(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int, torch.dtype]]:
+        """What a step computes row by row, for ``rows_independent`` (layer 0 stands for every layer:
+        the same shapes)."""
         layer = self.text.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
-        modules = [attn.o_proj, mlp.gate_up_proj, mlp.down_proj, self.model.lm_head]
-        return [self.qkv[0], *[(m.weight, m.bias) for m in modules]]
+        dtype = attn.o_proj.weight.dtype
+
+        def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+            return (lambda x: F.linear(x, weight, bias)), weight.shape[1], dtype
+
+        def activation(x: torch.Tensor) -> torch.Tensor:
+            gate, up = x.chunk(2, dim=-1)
+            return up * mlp.activation_fn(gate)
+
+        width = self.text.config.hidden_size
+        return [
+            product(*self.qkv[0]),
+            *(product(m.weight, m.bias) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+            product(self.model.lm_head.weight, self.model.lm_head.bias),
+            ((lambda x: _rms_norm(layer.input_layernorm, x)), width, dtype),
+            (activation, mlp.gate_up_proj.weight.shape[0], dtype),
+        ]
 
     @property
-    def padded(self) -> bool:
-        if self._padded is None:
-            self._padded = rows_independent(self._linears(), self.max_rows)
-        return self._padded
+    def independent_rows(self) -> bool:
+        if self._independent is None:
+            self._independent = rows_independent(self._row_functions(), self.max_rows)
+        return self._independent
 
     def _slab(self, length: int, rotary: int, like: torch.Tensor) -> KVSlab:
         slab = self.slabs.get(length)
         if slab is None:
             config = self.text.config
-            heads, head_dim = like.shape[1], like.shape[-1]
+            kv_heads, head_dim = like.shape[1], like.shape[-1]
             slab = KVSlab.allocate(
-                config.num_hidden_layers, heads, head_dim, length, rotary, like.dtype, like.device
+                config.num_hidden_layers, kv_heads, head_dim, length, rotary, like.dtype, like.device
             )
-            shape = (length, heads, head_dim)
+            shape = (length, kv_heads, head_dim)
             if shape not in self._slots_checked:
-                self._slots_checked[shape] = slots_independent(slab, heads, head_dim, self.max_rows)
+                self._slots_checked[shape] = slots_independent(
+                    slab, config.num_attention_heads, head_dim, self.max_rows
+                )
             slab.per_slot = not self._slots_checked[shape]
             self.slabs[length] = slab
         return slab
@@ -171,6 +182,15 @@ class GlmImageDecoder:
             self.slabs.pop(slab.length, None)
 
     def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        if (
+            len(states) > 1 and not self.independent_rows
+        ):  # rows are not independent on this machine: one by one
+            return torch.cat(
+                [self._step([state], tokens[i : i + 1], [steps[i]]) for i, state in enumerate(states)]
+            )
+        return self._step(states, tokens, steps)
+
+    def _step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
         rows = cast("list[SlabRow]", states)
         for row in rows:
             if row.slab is None or row.length >= row.slab.length:
@@ -215,27 +235,24 @@ class GlmImageDecoder:
             x_rot = x[..., :rotary]
             return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
 
-        padded = self.padded
-        width = max(batch, MIN_ROWS) if padded else batch
+        width = max(batch, MIN_ROWS)
 
         def linear(
             module: torch.nn.Linear | tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor
         ) -> torch.Tensor:
             weight, bias = module if isinstance(module, tuple) else (module.weight, module.bias)
-            if padded:  # x: (width, K)
-                return F.linear(x, weight, bias)
-            return _linear(weight, bias, x[:, None])[:, 0]
+            return F.linear(x, weight, bias)
 
         text = self.text
+        heads, kv_heads = text.config.num_attention_heads, text.config.num_key_value_heads
         hidden = F.embedding(padded_rows(tokens, width), text.embed_tokens.weight)  # (width, D)
         for layer_index, layer in enumerate(text.layers):
             attn = layer.self_attn
             residual = hidden
             hidden = _rms_norm(layer.input_layernorm, hidden)
-            qkv = linear(self.qkv[layer_index], hidden)[:batch].view(batch, -1, attn.head_dim)
-            heads = qkv.shape[1] // 3
-            rotated = rotate(qkv[:, : 2 * heads])
-            query, key, value = rotated[:, :heads], rotated[:, heads:], qkv[:, 2 * heads :]
+            qkv = linear(self.qkv[layer_index], hidden)[:batch].view(batch, heads + 2 * kv_heads, -1)
+            rotated = rotate(qkv[:, : heads + kv_heads])  # q and k heads together
+            query, key, value = rotated[:, :heads], rotated[:, heads:], qkv[:, heads + kv_heads :]
             outputs = [
                 slab.attend(
                     layer_index, slots, positions, query[a:b], key[a:b], value[a:b], attn.scaling, prefix

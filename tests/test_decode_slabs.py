@@ -1,0 +1,100 @@
+"""The lean decode step's batch-invariance machinery (engine/stages/decode_slabs.py, docs/batching.md):
+slabs keep their live rows a prefix, and the machine checks catch what is not row- or slot-independent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.stages.decode_slabs import (
+    ATTENTION_BUCKET,
+    KVSlab,
+    bucket_length,
+    rows_independent,
+    slots_independent,
+)
+
+LAYERS, HEADS, HEAD_DIM, ROTARY = 2, 3, 8, 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The lean step runs a small model on one intra-op thread (engine/stages/base.py); with more, kernels
+    split work by row count and the checks below (rightly) fail."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def slab(length: int = 64) -> KVSlab:
+    return KVSlab.allocate(LAYERS, HEADS, HEAD_DIM, length, ROTARY, torch.float32, torch.device("cpu"))
+
+
+def prefill(filled: int, mark: float) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    keys = [torch.full((1, HEADS, filled, HEAD_DIM), mark + layer) for layer in range(LAYERS)]
+    values = [torch.full((1, HEADS, filled, HEAD_DIM), -mark - layer) for layer in range(LAYERS)]
+    return keys, values, torch.full((10, ROTARY), mark)
+
+
+def test_bucket_length_rounds_up_to_the_bucket() -> None:
+    assert bucket_length(1) == ATTENTION_BUCKET
+    assert bucket_length(ATTENTION_BUCKET) == ATTENTION_BUCKET
+    assert bucket_length(ATTENTION_BUCKET + 1) == 2 * ATTENTION_BUCKET
+
+
+def test_rows_hold_a_prefix_and_a_leaving_row_hands_its_slot_to_the_last() -> None:
+    s = slab()
+    rows = []
+    for i in range(6):  # past the initial slots: the slab grows and keeps what it held
+        keys, values, table = prefill(3 + i, float(i + 1))
+        rows.append(s.add(keys, values, table, -table))
+    assert [r.slot for r in rows] == list(range(6)) and s.slots >= 6
+    assert torch.equal(s.keys[1][2, :, : 3 + 2], torch.full((HEADS, 5, HEAD_DIM), 3.0 + 1))
+    assert bool((s.mask[2, 0, 0, :5] == 0).all()) and bool((s.mask[2, 0, 0, 5:] == -math.inf).all())
+
+    s.remove(rows[1])  # the last row (slot 5) moves into slot 1 with its cache, mask and tables
+    assert rows[1].slab is None
+    assert [r.slot for r in s.rows] == list(range(5)) and rows[5].slot == 1
+    assert torch.equal(s.keys[0][1, :, :8], torch.full((HEADS, 8, HEAD_DIM), 6.0))
+    assert bool((s.mask[1, 0, 0, :8] == 0).all()) and bool((s.mask[1, 0, 0, 8:] == -math.inf).all())
+    assert torch.equal(s.cos[1, :10], torch.full((10, ROTARY), 6.0))
+
+    s.remove(rows[5])  # a row in the last slot just leaves
+    assert [r.slot for r in s.rows] == list(range(4))
+
+
+def test_attention_over_the_slab_equals_each_slot_alone() -> None:
+    s = slab()
+    generator = torch.Generator().manual_seed(1)
+    for i in range(5):
+        keys = [torch.randn(1, HEADS, 5 + 7 * i, HEAD_DIM, generator=generator) for _ in range(LAYERS)]
+        values = [torch.randn(1, HEADS, 5 + 7 * i, HEAD_DIM, generator=generator) for _ in range(LAYERS)]
+        s.add(keys, values, torch.zeros(1, ROTARY), torch.zeros(1, ROTARY))
+    slots = torch.arange(5)
+    positions = torch.tensor([r.length for r in s.rows])
+    s.open(slots, positions)
+    q, k, v = (torch.randn(5, HEADS, HEAD_DIM, generator=generator) for _ in range(3))
+    together = s.attend(0, slots, positions, q, k, v, 0.3, prefix=True)
+    gathered = s.attend(
+        0, slots.flip(0), positions.flip(0), q.flip(0), k.flip(0), v.flip(0), 0.3, prefix=False
+    )
+    for i in range(5):
+        length = int(positions[i]) + 1
+        exact = F.scaled_dot_product_attention(
+            q[i, :, None], s.keys[0][i : i + 1, :, :length], s.values[0][i : i + 1, :, :length], scale=0.3
+        )[0, :, 0]
+        assert torch.allclose(together[i], exact, atol=1e-6)  # the masked tail adds nothing but rounding
+        assert torch.equal(gathered[4 - i], together[i])
+    assert slots_independent(s, HEADS, HEAD_DIM, 8)
+
+
+def test_rows_independent_accepts_products_and_rejects_a_function_that_mixes_rows() -> None:
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    assert rows_independent([(lambda x: F.linear(x, weight, bias), 32, torch.float32)], 8)
+    assert not rows_independent(
+        [(lambda x: x - x.mean(0), 32, torch.float32)], 8
+    )  # a row sees its neighbours
