@@ -138,15 +138,16 @@ class KVSlab:
             self.rows[slot] = last
         row.slab = None
 
-    def open(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """Unmask the positions the rows' new tokens take (once per step, for every layer)."""
+    def open(self, slots: torch.Tensor | int, positions: torch.Tensor | int) -> None:
+        """Unmask the positions the rows' new tokens take (once per step, for every layer). One row
+        passes plain ints (basic indexing: cheaper calls, the same values)."""
         self.mask[slots, 0, 0, positions] = 0
 
     def attend(
         self,
         layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
+        slots: torch.Tensor | int,
+        positions: torch.Tensor | int,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -157,10 +158,12 @@ class KVSlab:
         their queries ((n, heads, head_dim)); returns (n, heads, head_dim). ``prefix``: the rows are slots
         0..n-1 in order (the slab's live rows), read as views; else they are gathered."""
         keys, values = self.keys[layer], self.values[layer]
-        keys[slots, :, positions] = key
-        values[slots, :, positions] = value
+        one = isinstance(slots, int)
+        keys[slots, :, positions] = key[0] if one else key
+        values[slots, :, positions] = value[0] if one else value
         q = query[:, :, None]
         gqa = q.shape[1] != keys.shape[1]  # grouped-query attention: fewer key/value heads
+        picked = [slots] if isinstance(slots, int) else slots.tolist()
         if self.per_slot:
             outs = [
                 F.scaled_dot_product_attention(
@@ -171,17 +174,16 @@ class KVSlab:
                     scale=scale,
                     enable_gqa=gqa,
                 )
-                for i, s in enumerate(slots.tolist())
+                for i, s in enumerate(picked)
             ]
             return torch.cat(outs)[:, :, 0]
         if prefix:
             n = q.shape[0]
-            out = F.scaled_dot_product_attention(
-                q, keys[:n], values[:n], attn_mask=self.mask[:n], scale=scale, enable_gqa=gqa
-            )
-            return out[:, :, 0]
+            index: slice | torch.Tensor = slice(0, n)
+        else:
+            index = slice(picked[0], picked[0] + 1) if isinstance(slots, int) else slots
         out = F.scaled_dot_product_attention(
-            q, keys[slots], values[slots], attn_mask=self.mask[slots], scale=scale, enable_gqa=gqa
+            q, keys[index], values[index], attn_mask=self.mask[index], scale=scale, enable_gqa=gqa
         )
         return out[:, :, 0]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -29,13 +31,54 @@ AR_COMPONENT = "vision_language_encoder"
 PROCESSOR_COMPONENT = "processor"
 
 
+def _norm_of(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``norm``'s forward as a plain function of float32 rows (``F.rms_norm``: the same ops as
+    ``GlmImageRMSNorm``, bit-identical in float32) or, for other dtypes, :func:`_rms_norm`."""
+    weight = norm.weight
+    if weight.dtype == torch.float32:
+        return partial(F.rms_norm, normalized_shape=weight.shape, weight=weight, eps=norm.variance_epsilon)
+    return partial(_rms_norm, norm)
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """One text decoder layer's weights and norms as the step uses them (no module lookups per token)."""
+
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    qkv: tuple[torch.Tensor, torch.Tensor | None]  # q, k and v concatenated: one product
+    scaling: float
+    o_proj: tuple[torch.Tensor, torch.Tensor | None]
+    post_self_attn_norm: Callable[[torch.Tensor], torch.Tensor]
+    post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
+    activation: Callable[[torch.Tensor], torch.Tensor]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+    post_mlp_norm: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, layer: Any) -> _LayerPlan:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        biases = [p.bias for p in projections]
+        qkv_bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
+        return cls(
+            input_norm=_norm_of(layer.input_layernorm),
+            qkv=(torch.cat([p.weight for p in projections]), qkv_bias),
+            scaling=attn.scaling,
+            o_proj=(attn.o_proj.weight, attn.o_proj.bias),
+            post_self_attn_norm=_norm_of(layer.post_self_attn_layernorm),
+            post_attention_norm=_norm_of(layer.post_attention_layernorm),
+            gate_up=(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
+            activation=mlp.activation_fn,
+            down=(mlp.down_proj.weight, mlp.down_proj.bias),
+            post_mlp_norm=_norm_of(layer.post_mlp_layernorm),
+        )
+
+
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     """``GlmImageRMSNorm.forward`` op for op, without the module call (a third of a decode step's calls);
     the casts to and from float32 are skipped when they would be no-ops."""
     dtype = x.dtype
-    if dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        # torch's rms_norm is these same ops (bit-identical in float32), without the Python in between.
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     hidden = x if dtype == torch.float32 else x.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
@@ -69,17 +112,10 @@ class GlmImageDecoder:
         self.slabs: dict[int, KVSlab] = {}
         self._independent: bool | None = None  # rows_independent, checked on the decode thread (its kernels)
         self._slots_checked: dict[tuple[int, int, int], bool] = {}  # slots_independent per cache shape
-        # q, k and v in one product per layer (rows_independent checks the fused shape too).
-        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        for layer in self.text.layers:
-            projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
-            biases = [p.bias for p in projections]
-            self.qkv.append(
-                (
-                    torch.cat([p.weight for p in projections]),
-                    None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases)),
-                )
-            )
+        # Per layer: q, k and v in one product (rows_independent checks the fused shape too), norms and
+        # weights without module lookups.
+        self.layers = [_LayerPlan.of(layer) for layer in self.text.layers]
+        self.final_norm = _norm_of(self.text.norm)
 
     _perm: torch.Tensor | None = None
 
@@ -102,24 +138,22 @@ class GlmImageDecoder:
     def _row_functions(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int, torch.dtype]]:
         """What a step computes row by row, for ``rows_independent`` (layer 0 stands for every layer:
         the same shapes)."""
-        layer = self.text.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        dtype = attn.o_proj.weight.dtype
+        plan = self.layers[0]
+        dtype = plan.o_proj[0].dtype
 
         def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
             return (lambda x: F.linear(x, weight, bias)), weight.shape[1], dtype
 
         def activation(x: torch.Tensor) -> torch.Tensor:
             gate, up = x.chunk(2, dim=-1)
-            return up * mlp.activation_fn(gate)
+            return up * plan.activation(gate)
 
         width = self.text.config.hidden_size
         return [
-            product(*self.qkv[0]),
-            *(product(m.weight, m.bias) for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
+            *(product(*weights) for weights in (plan.qkv, plan.o_proj, plan.gate_up, plan.down)),
             product(self.model.lm_head.weight, self.model.lm_head.bias),
-            ((lambda x: _rms_norm(layer.input_layernorm, x)), width, dtype),
-            (activation, mlp.gate_up_proj.weight.shape[0], dtype),
+            (plan.input_norm, width, dtype),
+            (activation, plan.gate_up[0].shape[0], dtype),
         ]
 
     @property
@@ -206,7 +240,7 @@ class GlmImageDecoder:
             rows, steps = [rows[i] for i in order], [steps[i] for i in order]
         batch = len(rows)
         device = tokens.device
-        spans: list[tuple[KVSlab, int, int, torch.Tensor, torch.Tensor, bool]] = []
+        spans: list[tuple[KVSlab, int, int, torch.Tensor | int, torch.Tensor | int, bool]] = []
         cos_parts, sin_parts = [], []
         start = 0
         while start < batch:
@@ -215,13 +249,20 @@ class GlmImageDecoder:
             while end < batch and rows[end].slab is slab:
                 end += 1
             members = rows[start:end]
-            slots = torch.tensor([r.slot for r in members], device=device)
-            positions = torch.tensor([r.length for r in members], device=device)
-            at = torch.tensor(steps[start:end], device=device)
+            slots: torch.Tensor | int
+            positions: torch.Tensor | int
+            if len(members) == 1:  # plain ints: basic indexing, the same values with cheaper calls
+                slots, positions, at = members[0].slot, members[0].length, steps[start]
+                cos_parts.append(slab.cos[slots, at][None])
+                sin_parts.append(slab.sin[slots, at][None])
+            else:
+                slots = torch.tensor([r.slot for r in members], device=device)
+                positions = torch.tensor([r.length for r in members], device=device)
+                index = torch.tensor(steps[start:end], device=device)
+                cos_parts.append(slab.cos[slots, index])
+                sin_parts.append(slab.sin[slots, index])
             prefix = len(members) == len(slab.rows)  # every live row, in slot order: slots 0..n-1
             slab.open(slots, positions)
-            cos_parts.append(slab.cos[slots, at])
-            sin_parts.append(slab.sin[slots, at])
             spans.append((slab, start, end, slots, positions, prefix))
             start = end
         cos = (cos_parts[0] if len(cos_parts) == 1 else torch.cat(cos_parts))[:, None]  # (B, 1, rotary)
@@ -236,43 +277,31 @@ class GlmImageDecoder:
             return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
 
         width = max(batch, MIN_ROWS)
-
-        def linear(
-            module: torch.nn.Linear | tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor
-        ) -> torch.Tensor:
-            weight, bias = module if isinstance(module, tuple) else (module.weight, module.bias)
-            return F.linear(x, weight, bias)
-
         text = self.text
         heads, kv_heads = text.config.num_attention_heads, text.config.num_key_value_heads
         hidden = F.embedding(padded_rows(tokens, width), text.embed_tokens.weight)  # (width, D)
-        for layer_index, layer in enumerate(text.layers):
-            attn = layer.self_attn
+        for layer_index, plan in enumerate(self.layers):
             residual = hidden
-            hidden = _rms_norm(layer.input_layernorm, hidden)
-            qkv = linear(self.qkv[layer_index], hidden)[:batch].view(batch, heads + 2 * kv_heads, -1)
+            qkv = F.linear(plan.input_norm(hidden), *plan.qkv)[:batch].view(batch, heads + 2 * kv_heads, -1)
             rotated = rotate(qkv[:, : heads + kv_heads])  # q and k heads together
             query, key, value = rotated[:, :heads], rotated[:, heads:], qkv[:, heads + kv_heads :]
             outputs = [
                 slab.attend(
-                    layer_index, slots, positions, query[a:b], key[a:b], value[a:b], attn.scaling, prefix
+                    layer_index, slots, positions, query[a:b], key[a:b], value[a:b], plan.scaling, prefix
                 )
                 for slab, a, b, slots, positions, prefix in spans
             ]
             attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).reshape(batch, -1)
-            hidden = linear(attn.o_proj, padded_rows(attended, width))
-            hidden = residual + _rms_norm(layer.post_self_attn_layernorm, hidden)
+            hidden = F.linear(padded_rows(attended, width), *plan.o_proj)
+            hidden = residual + plan.post_self_attn_norm(hidden)
             residual = hidden
-            mlp = layer.mlp
-            gate, up = linear(mlp.gate_up_proj, _rms_norm(layer.post_attention_layernorm, hidden)).chunk(
-                2, dim=-1
-            )
-            hidden = linear(mlp.down_proj, up * mlp.activation_fn(gate))
-            hidden = residual + _rms_norm(layer.post_mlp_layernorm, hidden)
+            gate, up = F.linear(plan.post_attention_norm(hidden), *plan.gate_up).chunk(2, dim=-1)
+            hidden = F.linear(up * plan.activation(gate), *plan.down)
+            hidden = residual + plan.post_mlp_norm(hidden)
         for row in rows:
             row.length += 1
-        hidden = _rms_norm(text.norm, hidden)
-        logits = linear(self.model.lm_head, hidden)[:batch].to(copy=True, dtype=torch.float32)
+        logits = F.linear(self.final_norm(hidden), self.model.lm_head.weight, self.model.lm_head.bias)[:batch]
+        logits = logits.float()  # a view of this step's own product in float32 (no copy)
         if identity:
             return logits
         restored = torch.empty_like(logits)
