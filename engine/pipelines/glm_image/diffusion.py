@@ -32,7 +32,13 @@ class GlmImageDiffusionStage(DiffusersStage):
         return [*linears, transformer.time_condition_embed]
 
     def batch_group(self, job: StageJob) -> Hashable:
-        return tuple(self.pipeline.get_glyph_texts(job.inputs["prompt"])[0])
+        from diffusers import GlmImagePipeline
+
+        # The pipeline's own parsing, which reads nothing but the prompt: batch keys are also computed where
+        # no pipeline is loaded (the driver side of a stage on Ray).
+        return tuple(
+            GlmImagePipeline.get_glyph_texts(cast("GlmImagePipeline", None), job.inputs["prompt"])[0]
+        )
 
     def load_pipeline(self) -> GlmImagePipeline:
         from diffusers import GlmImagePipeline
