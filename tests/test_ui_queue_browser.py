@@ -49,10 +49,16 @@ def queue_row(page, name: str) -> str:
     return ""
 
 
+SELECTED = "document.querySelector('#omni-queue-selected textarea, #omni-queue-selected input').value"
+
+
 def pick(page, name: str) -> None:
+    """Select the job ``name`` in the table and wait until the selection holds it: a new job id (each pick
+    here is another job), not the previous selection's id, which a cancel would otherwise act on."""
+    before = page.evaluate(SELECTED)
     page.locator("#omni-queue-table").get_by_text(name, exact=True).filter(visible=True).first.click()
     page.wait_for_function(
-        "document.querySelector('#omni-queue-selected textarea, #omni-queue-selected input').value.length == 32"
+        f"old => {{ const v = {SELECTED}; return v.length == 32 && v != old; }}", arg=before
     )
 
 
