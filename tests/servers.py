@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import httpx
 
@@ -114,8 +115,8 @@ def s3_server(bucket: str) -> Iterator[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    saved = {key: os.environ.get(key) for key in S3_ENV}
-    os.environ.update(S3_ENV)
+    environment = mock.patch.dict(os.environ, S3_ENV)
+    environment.start()
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -128,11 +129,7 @@ def s3_server(bucket: str) -> Iterator[str]:
         httpx.put(f"{endpoint}/{bucket}", timeout=10).raise_for_status()
         yield endpoint
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        environment.stop()
         os.kill(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=10)
