@@ -263,23 +263,44 @@ class _StageWorker:
             self.stopping = True
             self.cond.notify_all()
 
-    def _take_batch(self) -> list[_Ticket] | None:
+    def _take_batch(self) -> tuple[list[_Ticket], list[tuple[_Ticket, Exception]]] | None:
+        """The next batch: the oldest job and queued jobs with its batch key (up to max_num_seqs).
+
+        A job whose batch key cannot be computed (a runner bug, a malformed input) is returned in the
+        second list with the error, to be failed: it must not take the worker thread down, leaving every
+        queued request waiting.
+        """
+        failed: list[tuple[_Ticket, Exception]] = []
         with self.cond:
-            while not self.queue and not self.stopping:
-                self.cond.wait()
-            if self.stopping:
-                return None
-            first = self.queue.pop(0)
+            while True:
+                while not self.queue and not self.stopping:
+                    self.cond.wait()
+                if self.stopping:
+                    return None
+                first = self.queue.pop(0)
+                try:
+                    key = self.runner.batch_key(first.job)
+                except Exception as exc:
+                    failed.append((first, exc))
+                    if self.queue:
+                        continue
+                    return [], failed
+                break
             batch = [first]
-            key = self.runner.batch_key(first.job)
             for ticket in list(self.queue):
                 if len(batch) >= self.runner.max_batch_size:
                     break
-                if self.runner.batch_key(ticket.job) == key:
+                try:
+                    same = self.runner.batch_key(ticket.job) == key
+                except Exception as exc:
+                    self.queue.remove(ticket)
+                    failed.append((ticket, exc))
+                    continue
+                if same:
                     self.queue.remove(ticket)
                     batch.append(ticket)
             self.running += 1
-            return batch
+            return batch, failed
 
     def _loop(self) -> None:
         if self.runner.concurrent:
@@ -287,9 +308,21 @@ class _StageWorker:
         if self.runner.intra_op_threads is not None:
             torch.set_num_threads(self.runner.intra_op_threads)  # this thread's setting only
         while True:
-            batch = self._take_batch()
-            if batch is None:
+            taken = self._take_batch()
+            if taken is None:
                 return
+            batch, failed = taken
+            for ticket, error in failed:
+                log.warning(
+                    "stage %s: job %s failed before it ran: %s",
+                    self.runner.stage_id,
+                    ticket.job.request_id,
+                    error,
+                )
+                now = time.time()
+                self.engine._job_done(ticket, StageStatus.FAILED, error, now, now, 1)
+            if not batch:
+                continue
             try:
                 self._run(batch)
             finally:

@@ -197,6 +197,23 @@ def test_a_failing_stage_gives_a_clear_error_and_the_engine_stays_usable(glm_eng
     assert glm_engine.run(t2i(height=64, width=64)).images
 
 
+def test_a_job_whose_batch_key_fails_fails_alone_and_the_stage_keeps_serving(glm_engine, monkeypatch):
+    runner = glm_engine.runners[1]
+    original = runner.batch_key
+
+    def broken(job):
+        raise ValueError("no batch key for this one")
+
+    monkeypatch.setattr(runner, "batch_key", broken)
+    events = collect(glm_engine, t2i(height=64, width=64))
+    failed = events[-1]
+    assert isinstance(failed, RunFailed) and failed.stage_id == 1
+    assert "no batch key for this one" in failed.message
+    monkeypatch.setattr(runner, "batch_key", original)
+    # the worker thread is still alive: the next request goes through the same stage
+    assert glm_engine.run(t2i(height=64, width=64)).images
+
+
 def test_concurrent_requests_all_complete_and_match_sequential_results(glm_engine):
     requests = [t2i(height=64, width=64, seed=s) for s in range(4)]
     expected = [png(glm_engine.run(r).images[0]) for r in requests]
