@@ -828,9 +828,16 @@ def _runner_factory(
                 "embedded mode runs one copy of each stage",
                 ", ".join(map(str, placed)),
             )
-        return lambda stage: model.family.create_runner(
-            stage, path, resolve_device(stage.engine_args.placement)
-        )
+
+        def create(stage: ResolvedStage) -> StageRunner:
+            device = resolve_device(stage.engine_args.placement)
+            if stage.engine_args.own_process:
+                from engine.distributed.process_stage import ProcessStageRunner
+
+                return ProcessStageRunner(stage, model, device)
+            return model.family.create_runner(stage, path, device)
+
+        return create
     try:
         # Ray is an optional extra: imported only when a Ray address is given.
         from engine.distributed.ray_stage import RayPlacement

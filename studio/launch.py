@@ -61,12 +61,30 @@ def tune_interpreter() -> None:
     sys.setswitchinterval(0.001)
 
 
+def prestart_stage_processes(settings: StudioSettings) -> None:
+    """Start the stage processes the deploy file asks for (``own_process: true``) before this process
+    imports the model libraries, so that theirs overlap ours (engine/distributed/spawn.py)."""
+    if settings.ray_address:
+        return
+    from engine.distributed import spawn
+    from engine.paths import DEPLOY_PRESETS_DIR
+
+    model = settings.model or _default_model()
+    path = Path(settings.deploy_config) if settings.deploy_config else DEPLOY_PRESETS_DIR / f"{model}.yaml"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):  # a local model folder, or a bad path: the build reports it
+        return
+    spawn.prestart(spawn.stage_processes_wanted(text))
+
+
 def start_engine(settings: StudioSettings, max_pending: int = 64) -> OmniEngine:
     """Validate the deploy config against the model, build the model if built in, load every stage."""
     delay = float(os.environ.get(LOAD_DELAY_ENV) or 0)
     if delay > 0:  # test-only (see LOAD_DELAY_ENV)
         time.sleep(delay)
     from engine.config import DeployConfigError
+    from engine.distributed import spawn
     from engine.engine import EngineBuildError, build_engine
     from engine.environment import quiet_libraries
     from engine.models import ModelNotFound
@@ -86,6 +104,8 @@ def start_engine(settings: StudioSettings, max_pending: int = 64) -> OmniEngine:
         raise StartupError(exc.render()) from exc
     except (ModelNotFound, UnknownModelFamily, EngineBuildError) as exc:
         raise StartupError(str(exc)) from exc
+    finally:
+        spawn.discard_started()  # started early and not taken (a build that failed, or wanted fewer)
 
 
 def open_recorder(settings: StudioSettings) -> RunRecorder:
@@ -190,6 +210,7 @@ class BackgroundServer:
 def serve_api(settings: StudioSettings) -> int:
     """``omni-studio serve``: the OpenAI-compatible API alone, on uvicorn (listening while it loads)."""
     model = settings.model or _default_model()
+    prestart_stage_processes(settings)
     sock = listen(settings)
     front = StartingApp(model, page=False, api_key=settings.api_key)
     server = uvicorn_server(front)
@@ -254,6 +275,7 @@ def launch_ui(settings: StudioSettings) -> int:
     A loading page holds the port while the engine, Gradio and the UI load; then ``launch()`` takes it.
     """
     model = settings.model or _default_model()
+    prestart_stage_processes(settings)
     sock = listen(settings)
     # With --share and no --api-key the key is generated later: nobody can send it while loading.
     front = StartingApp(

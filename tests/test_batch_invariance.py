@@ -41,10 +41,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Path:
         yield tmp_path_factory.mktemp("data")
 
 
-def deploy(model: str, ar_seqs: int = 8, dit_seqs: int = 8) -> dict[str, Any]:
+def deploy(model: str, ar_seqs: int = 8, dit_seqs: int = 8, own_process: bool = False) -> dict[str, Any]:
+    """The preset with these batch sizes; both stages in this process unless ``own_process`` (the tests
+    look inside the runners)."""
     config = yaml.safe_load((DEPLOY_PRESETS_DIR / f"{model}.yaml").read_text())
     config["stages"][0].update(max_num_seqs=ar_seqs, final_output=True, final_output_type="token_ids")
-    config["stages"][1]["max_num_seqs"] = dit_seqs
+    config["stages"][1].update(max_num_seqs=dit_seqs, own_process=own_process)
     return config
 
 
@@ -141,15 +143,29 @@ def test_transformers_ar_rows_one_by_one_where_the_machine_check_fails(env: Path
     [("tiny-glm-shapes", {}), ("tiny-glm-image", {"temperature": 1.0, "guidance_scale": 2.0})],
 )
 def test_diffusion_stage_batch_invariance(env: Path, model: str, params: dict[str, Any]) -> None:
-    """The presets batch the DiT (stage 1 max_num_seqs 8, per-sample linears and VAE decode): requests
-    that share a DiT batch still give their alone bytes, with and without classifier-free guidance."""
+    """The presets batch the DiT (stage 1 max_num_seqs 4 or 8, per-sample linears and VAE decode):
+    requests that share a DiT batch still give their alone bytes, with and without classifier-free
+    guidance."""
     preset = yaml.safe_load((DEPLOY_PRESETS_DIR / f"{model}.yaml").read_text())
-    assert preset["stages"][1]["max_num_seqs"] == 8
+    assert preset["stages"][1]["max_num_seqs"] >= 4
     engine = build_engine(model, deploy(model, 8, 8), data_dir=env)
     try:
         check(engine, params, expect_dit_batch=3)
         checks = engine.runners[1].batch_checks
         assert checks and all(checks.values())  # the batches really ran batched
+    finally:
+        engine.close()
+
+
+def test_diffusion_stage_in_its_own_process_batches_invariantly(env: Path) -> None:
+    """tiny-glm-shapes' preset runs its DiT in a process of its own (docs/batching.md): batches there
+    still give every request its alone bytes."""
+    preset = yaml.safe_load((DEPLOY_PRESETS_DIR / "tiny-glm-shapes.yaml").read_text())
+    assert preset["stages"][1]["own_process"] is True
+    engine = build_engine("tiny-glm-shapes", deploy("tiny-glm-shapes", 8, 4, own_process=True), data_dir=env)
+    try:
+        assert engine.runners[1].placement()[0]["pid"] != os.getpid()  # type: ignore[attr-defined]
+        check(engine, {}, expect_dit_batch=3)
     finally:
         engine.close()
 

@@ -262,10 +262,11 @@ def test_key_problems_and_topology_problems_come_in_one_report():
 # Config hashes computed before engine args became a typed StageEngineArgs: the canonical JSON (and so the
 # hash in fingerprints and recorded history) must not change with the engine's internals. The model
 # identity is pinned so library upgrades (which change a built model's identity) leave these alone.
-# The tiny GLM presets' hashes changed once on purpose: stage 1 went from max_num_seqs 1 to 8 (docs/batching.md).
+# The tiny GLM presets' hashes changed on purpose: stage 1 went from max_num_seqs 1 to 8, then tiny-glm-shapes'
+# to 4 when its DiT moved to a process of its own (docs/batching.md).
 PINNED_PRESET_HASHES = {
     "tiny-glm-image": ("glm-image", "2d282bf4a99214adbbb1a4a5f1feca86e2cb1e1fab4fe318a94fcec6a451c000"),
-    "tiny-glm-shapes": ("glm-image", "1aad8c454bbcbb5924e46f3e6af6348950e836776169e532a69dcc381b98bb29"),
+    "tiny-glm-shapes": ("glm-image", "7ff65103f1a43f85c723cf3e828e8df441a1c89c20c5df8875433f753845c9a4"),
     "tiny-chat": ("chat", "877bcc741684e4932544d255ad112ae142ae7d1e83d13857c83c1df8899ce36c"),
     "tiny-diffusion": ("diffusion", "632bde1dbe796d4440d2dbb3b5e1693582c74de3f030121c6ef7e041bc8ce9d8"),
     "glm-image-1gpu": ("glm-image", "25d41fb96a2f6d33ac125b38a88fab9cac950db54f89acebcdff0015720bd768"),
@@ -282,6 +283,24 @@ def test_config_hash_of_each_preset_is_pinned(preset):
         deploy, family.name, family.templates, preset, f"builtin:{preset}:pinned", prior_problems=problems
     )
     assert config.config_hash() == expected
+
+
+def test_own_process_is_placement_and_leaves_the_hash_alone():
+    """Where a stage runs changes no output, so neither the hash nor the fingerprint (docs/batching.md)."""
+    family = get_family("glm-image")
+    hashes = set()
+    for own_process in (True, False, None):
+        data = yaml.safe_load((DEPLOY_PRESETS_DIR / "tiny-glm-shapes.yaml").read_text())
+        data["stages"][1]["own_process"] = own_process
+        deploy, problems = parse_deploy_config(data)
+        config = resolve_pipeline_config(
+            deploy, family.name, family.templates, "m", "builtin:m:pinned", prior_problems=problems
+        )
+        assert config.stages[1].engine_args.own_process is own_process
+        hashes.add(config.config_hash())
+    assert len(hashes) == 1
+    _, problems = parse_deploy_config({"stages": [{"stage_id": 0, "own_process": "yes"}]})
+    assert any("own_process" in str(p) for p in problems)
 
 
 def test_config_hash_with_explicit_nulls_and_overrides_is_pinned():
@@ -320,11 +339,11 @@ def test_shipped_shapes_model_config_hash_is_pinned():
     assert source.identity == "builtin:tiny-glm-shapes:7ecf37a2c8e6"
     assert (
         build_pipeline_config(source, None).config_hash()
-        == "18270a8a391dc19c7137ed8ba5e41e584087d2723e9711d81346768982481a70"
+        == "aa1857222cbc1ef4063ca8ac0426d28f7462b8ad47b3b8dc21892202f71d2577"
     )
     assert (
         build_pipeline_config(source, None, "vllm").config_hash()
-        == "7708b061859a9d31703f555fb2c1fcfa3c0e152706686e64aa0bcbbc2c59ba55"
+        == "23b81d36911f4bbbd9ba55295935ab58e785a2ee58ce8b75ab67c33cb99d9ab2"
     )
 
 

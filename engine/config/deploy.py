@@ -119,6 +119,9 @@ class StageConfig(StrictModel):
     dtype: DType | None = None
     distributed_executor_backend: ExecutorBackend | None = None
 
+    # Run the stage's model in a process of its own (embedded mode; docs/batching.md).
+    own_process: bool | None = None
+
     # Placement on a Ray cluster (``--ray-address``; docs/distributed.md). Embedded mode runs one copy.
     num_replicas: int | None = Field(None, ge=1, le=64)
     resources: ResourceMap | None = None

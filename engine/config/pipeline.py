@@ -84,6 +84,7 @@ class StageEngineArgs:
     kv_cache_memory_bytes: int | None = None
     dtype: str | None = "auto"
     distributed_executor_backend: str | None = None  # vLLM's executor (AR stages); None: vLLM's choice
+    own_process: bool | None = None  # the model runs in a child process (embedded mode; docs/batching.md)
     num_replicas: int | None = None  # Ray actors for the stage (docs/distributed.md); None: one
     resources: dict[str, float] | None = None  # custom Ray resources each actor asks for
 
@@ -116,7 +117,7 @@ class StageEngineArgs:
     def to_dict(self) -> dict[str, Any]:
         """The engine args that decide what a stage computes (the snapshot, the hash, PNG recipes).
 
-        Placement on a Ray cluster (``num_replicas``, ``resources``) changes no output and is left out,
+        Placement (a process of its own, ``num_replicas`` and ``resources`` on a Ray cluster) changes no output and is left out,
         so a pipeline on Ray snapshots, hashes and writes PNGs exactly like the same pipeline embedded
         (docs/distributed.md). Keys added after the first release appear only when set, so a config that
         does not use them keeps its hash (and the fingerprints and history rows made from it).
@@ -131,7 +132,7 @@ class StageEngineArgs:
 # Engine args left out of the config dict when unset (see StageEngineArgs.to_dict).
 OPTIONAL_ENGINE_ARGS = ("distributed_executor_backend",)
 # Where a stage runs and how many copies: never in the config dict (see StageEngineArgs.to_dict).
-PLACEMENT_ENGINE_ARGS = ("num_replicas", "resources")
+PLACEMENT_ENGINE_ARGS = ("own_process", "num_replicas", "resources")
 
 ENGINE_ARG_FIELDS = tuple(f.name for f in fields(StageEngineArgs))
 assert set(ENGINE_ARG_FIELDS) == set(ENGINE_ARG_KEYS), "StageEngineArgs and StageConfig disagree"
@@ -248,6 +249,8 @@ class PipelineConfig:
                 parts.append(f"backend={s.backend}")
             parts.append(f"devices={s.engine_args.devices}")
             parts.append(f"max_num_seqs={s.engine_args.max_num_seqs}")
+            if s.engine_args.own_process:
+                parts.append("own process")
             if s.engine_args.num_replicas:
                 parts.append(f"replicas={s.engine_args.num_replicas}")
             if s.engine_args.resources:

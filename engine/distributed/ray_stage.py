@@ -29,11 +29,9 @@ import collections
 import itertools
 import logging
 import os
-import pickle
 import secrets
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,11 +42,18 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 
 from engine.config import ResolvedStage
 from engine.config.deploy import RayConfig
-from engine.events import FinishReason, StageStatus
-from engine.modality import OutputAccumulator
+from engine.distributed.wire import (
+    JobSpec,
+    Message,
+    RemoteStageRunner,
+    deliver,
+    done_message,
+    far_job,
+    run_batch,
+)
+from engine.events import StageStatus
 from engine.models import ModelSource, materialize
-from engine.request import RequestError
-from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner
+from engine.stages.base import StageJob
 
 log = logging.getLogger("omni_studio.engine.ray")
 
@@ -64,59 +69,6 @@ class StageReplicaLost(RuntimeError):
 
 class RayPlacementError(RuntimeError):
     """Ray could not place or start a stage's actors."""
-
-
-# -- what crosses the wire ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """One job as the actor sees it: the key the proxy cancels it by, its inputs and parameters."""
-
-    key: str
-    request_id: str
-    index: int
-    inputs: dict[str, Any]
-    params: dict[str, Any]
-    cancelled: bool = False
-
-
-def portable_error(error: BaseException | None) -> tuple[str, ...] | BaseException | None:
-    """An exception as it can cross processes: ``RequestError`` by its field, others pickled when they
-    survive the round trip, else their type name and message."""
-    if error is None:
-        return None
-    if isinstance(error, RequestError):
-        return ("request", error.field, error.message)
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:  # an exception class whose constructor pickle cannot replay
-        return ("error", type(error).__name__, str(error))
-
-
-def restore_error(payload: tuple[str, ...] | BaseException | None) -> Exception | None:
-    if payload is None:
-        return None
-    if isinstance(payload, Exception):
-        return payload
-    if isinstance(payload, tuple) and payload and payload[0] == "request":
-        return RequestError(payload[1], payload[2])
-    if isinstance(payload, tuple) and len(payload) == 3:
-        return RuntimeError(f"{payload[1]}: {payload[2]}")
-    return RuntimeError(repr(payload))
-
-
-class _ForwardingAccumulator(OutputAccumulator):
-    """The actor-side accumulator: keeps the runner's view and forwards every payload, in order."""
-
-    def __init__(self, modalities: Any, forward: Any) -> None:
-        super().__init__(modalities)
-        self._forward = forward
-
-    def add(self, delta: Any) -> None:
-        super().add(delta)
-        self._forward(dict(delta))
 
 
 # -- the actor ----------------------------------------------------------------------------------------
@@ -182,28 +134,15 @@ class StageActor:
         ``("event", i, event)``, ``("output", i, payload)``, ``("done", i, status, error, counts...)``."""
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        inbox: asyncio.Queue[Message] = asyncio.Queue()
 
-        def put(message: tuple[Any, ...]) -> None:
+        def put(message: Message) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, message)
 
         modalities = self.stage.output_modalities
         jobs: list[StageJob] = []
-
-        def tagged(kind: str, i: int) -> Callable[[Any], None]:
-            return lambda item: put((kind, i, item))
-
         for i, spec in enumerate(specs):
-            job = StageJob(
-                request_id=spec.request_id,
-                index=spec.index,
-                inputs=spec.inputs,
-                params=spec.params,
-                emit=tagged("event", i),
-                accumulator=_ForwardingAccumulator(modalities, tagged("output", i)),
-            )
-            if spec.cancelled:
-                job.cancel_event.set()
+            job = far_job(spec, i, modalities, put)
             self.jobs[spec.key] = job
             jobs.append(job)
         try:
@@ -219,23 +158,13 @@ class StageActor:
                         done(StageStatus.FAILED, exc)
             else:
 
-                def run_batch() -> None:
-                    # As the engine's stage worker does in-process: the stage's own intra-op threads for the
-                    # thread that runs its model (the same float math, so the same bytes).
-                    if self.runner.intra_op_threads is not None:
-                        torch.set_num_threads(self.runner.intra_op_threads)
-                    status, error = StageStatus.SUCCEEDED, None
-                    try:
-                        self.runner.run(jobs)
-                    except StageCancelled:
-                        status = StageStatus.CANCELLED
-                    except Exception as exc:  # the batch fails; the actor keeps serving
-                        status, error = StageStatus.FAILED, exc
+                def run_all() -> None:
+                    status, error = run_batch(self.runner, jobs)
                     for i in range(len(jobs)):
                         put(("end", i, status, error))
 
                 threading.Thread(
-                    target=run_batch, name=f"omni-ray-stage-{self.stage.stage_id}", daemon=True
+                    target=run_all, name=f"omni-ray-stage-{self.stage.stage_id}", daemon=True
                 ).start()
             remaining = len(jobs)
             last_yield = loop.time()
@@ -260,21 +189,8 @@ class StageActor:
                         out.append(message)
                         continue
                     _, i, status, error = message
-                    job = jobs[i]
                     remaining -= 1
-                    out.append(
-                        (
-                            "done",
-                            i,
-                            str(status),
-                            portable_error(error),
-                            job.input_tokens,
-                            job.output_tokens,
-                            str(job.finish_reason),
-                            job.scratch.get("max_new_tokens"),
-                            time.perf_counter() - started,  # the actor's own time for the job
-                        )
-                    )
+                    out.append(done_message(i, jobs[i], status, error, time.perf_counter() - started))
                 yield out
         finally:
             for spec in specs:
@@ -328,7 +244,7 @@ class Replica:
         }
 
 
-class RayStageRunner(StageRunner):
+class RayStageRunner(RemoteStageRunner):
     """A stage whose model runs in Ray actors; the engine drives it like an in-process runner.
 
     Runners that take whole batches (diffusers) run one batch per replica at a time
@@ -357,9 +273,8 @@ class RayStageRunner(StageRunner):
         self._rotation = itertools.count()
         self._closed = False
         # The family's runner for this stage, never loaded here: the rules that need no model.
-        self._rules: StageRunner | None = None
         if stage.kind == "diffusion" and model.path is not None:
-            self._rules = model.family.create_runner(stage, Path(model.path), torch.device("cpu"))
+            self.rules = model.family.create_runner(stage, Path(model.path), torch.device("cpu"))
         token = secrets.token_hex(3)
         args = stage.engine_args
         # vLLM's Ray executor places its own GPU workers; the actor then holds none itself.
@@ -384,10 +299,6 @@ class RayStageRunner(StageRunner):
         ]
 
     # -- StageRunner -------------------------------------------------------------------------------
-
-    @property
-    def concurrent(self) -> bool:  # type: ignore[override]  # a class attribute on the base; what the actors say
-        return self.remote_concurrent
 
     @property
     def parallel_batches(self) -> int:  # type: ignore[override]  # a class attribute on the base
@@ -439,34 +350,6 @@ class RayStageRunner(StageRunner):
                 log.debug("stage %s replica %s: kill: %s", self.stage_id, replica.index, exc)
         super().close()
 
-    def batch_key(self, job: StageJob) -> Any:
-        # What may share a batch is the family runner's rule, asked of an unloaded copy of it (cheap: no
-        # weights); AR stages batch continuously on the actor and never ask.
-        return self._rules.batch_key(job) if self._rules is not None else id(job)
-
-    def total_steps(self, job: StageJob) -> int:
-        if self._rules is not None:
-            return self._rules.total_steps(job)
-        return int(job.scratch.get("max_new_tokens", 0))
-
-    def run(self, jobs: list[StageJob]) -> None:
-        statuses = self._call(jobs)
-        status, error = statuses[0]
-        if status == StageStatus.FAILED:
-            raise error or RuntimeError(f"stage {self.stage_id} failed without an error")
-        if status == StageStatus.CANCELLED:
-            raise StageCancelled()
-
-    def submit(self, job: StageJob, done: JobDone) -> None:
-        def call() -> None:
-            try:
-                status, error = self._call([job])[0]
-            except Exception as exc:
-                status, error = StageStatus.FAILED, exc
-            done(status, error)
-
-        threading.Thread(target=call, name=f"omni-ray-call-{self.stage_id}", daemon=True).start()
-
     # -- where the studio looks ----------------------------------------------------------------------
 
     def placement(self) -> list[dict[str, Any]]:
@@ -479,7 +362,7 @@ class RayStageRunner(StageRunner):
 
     # -- calls ----------------------------------------------------------------------------------------
 
-    def _call(self, jobs: list[StageJob]) -> list[tuple[StageStatus, Exception | None]]:
+    def call(self, jobs: list[StageJob]) -> list[tuple[StageStatus, Exception | None]]:
         """Run ``jobs`` on a replica; a replica lost before it reported anything is replaced by another."""
         while True:
             replica = self._acquire()
@@ -495,10 +378,7 @@ class RayStageRunner(StageRunner):
 
     def _stream(self, replica: Replica, jobs: list[StageJob]) -> list[tuple[StageStatus, Exception | None]]:
         keys = [f"{job.request_id}/{job.index}/{next(self._keys)}" for job in jobs]
-        specs = [
-            JobSpec(key, job.request_id, job.index, job.inputs, job.params, job.cancelled)
-            for key, job in zip(keys, jobs, strict=True)
-        ]
+        specs = [JobSpec.of(key, job) for key, job in zip(keys, jobs, strict=True)]
         results: dict[int, tuple[StageStatus, Exception | None]] = {}
         cancel_sent: set[int] = set()
         seen_any = False
@@ -520,7 +400,7 @@ class RayStageRunner(StageRunner):
                 messages = ray.get(ref)
                 seen_any = True
                 for message in messages:
-                    self._deliver(jobs, message, results)
+                    deliver(jobs, message, results)
                     if message[0] == "done":  # what the trip cost beyond the actor's own time
                         self.handoff_s.append(time.perf_counter() - sent - message[-1])
         except LOST as exc:
@@ -531,26 +411,6 @@ class RayStageRunner(StageRunner):
                 f"stage {self.stage_id} replica {replica.index} ended without finishing jobs {missing}"
             )
         return [results[i] for i in range(len(jobs))]
-
-    @staticmethod
-    def _deliver(
-        jobs: list[StageJob],
-        message: tuple[Any, ...],
-        results: dict[int, tuple[StageStatus, Exception | None]],
-    ) -> None:
-        kind, i = message[0], message[1]
-        job = jobs[i]
-        if kind == "event":
-            job.emit(message[2])
-        elif kind == "output":
-            job.add_output(message[2])
-        elif kind == "done":
-            _, _, status, error, input_tokens, output_tokens, finish_reason, max_new, _ = message
-            job.input_tokens, job.output_tokens = int(input_tokens), int(output_tokens)
-            job.finish_reason = FinishReason(finish_reason)
-            if max_new is not None:
-                job.scratch["max_new_tokens"] = max_new
-            results[i] = (StageStatus(status), restore_error(error))
 
     def _lost_message(self, replica: Replica, exc: BaseException) -> str:
         restarts = self.ray_config.max_restarts
