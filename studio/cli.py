@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -758,6 +759,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`omni-studio history ls | head`): stop quietly, as `ls | head` does. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
 
 
 if __name__ == "__main__":

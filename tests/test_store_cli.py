@@ -229,3 +229,27 @@ def test_prune_by_filter(
     assert {r["id"] for r in json.loads(out)} == {history["fox"], history["cat"]}
     code, out, _ = cli(capsys, db_url, data_dir, "prune", "--older-than", "1")
     assert code == 0 and out.startswith("deleted 0 runs")
+
+
+def test_ls_into_a_closed_pipe_stops_quietly(history: dict[str, str], db_url: str, data_dir: Path) -> None:
+    """`omni-studio history ls | head -0`: the reader is gone before anything is written; no traceback."""
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable,
+        "-m",
+        "studio.cli",
+        "history",
+        "ls",
+        "--db",
+        db_url,
+        "--data-dir",
+        str(data_dir),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # like `head` exiting at once
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err
