@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,29 @@ def test_output_files_in_an_object_store_are_shared_between_studios(s3_endpoint:
     assert not two.path(sha).exists()
     # A local folder and the default stay plain folders.
     assert type(open_output_files(tmp_path, str(tmp_path / "out"))).__name__ == "OutputFiles"
+
+
+def test_prune_sweeps_orphaned_objects_from_the_object_store(s3_endpoint: str, tmp_path: Path) -> None:
+    """An object left in the bucket by a crash between upload and row goes with ``history prune``; objects
+    a run refers to, and new ones (their row may be about to be written), stay."""
+    from studio.store import open_store
+    from studio.store.object_files import open_output_files
+
+    files = open_output_files(tmp_path, "s3://shared/prune", [("endpoint_url", s3_endpoint)])
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}", tmp_path, files) as store:
+        run_id = store.create_run(source="api", prompt="kept", model="m", request={}, parameters={})
+        used = store.add_output(run_id, 0, b"referenced", "text/plain")
+        store.finish_run(run_id, "succeeded")
+        orphan, _ = files.write(b"left by a crash")
+        assert store.prune_files() == (0, 0)  # everything is new
+        time.sleep(1.1)  # S3 reports whole seconds
+        assert store.prune_files(min_age_seconds=1) == (
+            1,
+            2 * len(b"left by a crash"),
+        )  # object + cached copy
+        assert not files.fs.exists(files.remote_path(orphan)) and files.find(orphan) is None
+        assert files.fs.exists(files.remote_path(used, "text/plain"))
+        assert store.file_path(used, "text/plain").read_bytes() == b"referenced"
 
 
 def test_an_unusable_object_store_fails_at_start_naming_it(s3_endpoint: str, tmp_path: Path) -> None:

@@ -61,3 +61,23 @@ class OutputFiles:
         """Delete the file(s) with this hash."""
         for path in (self.root / sha256[:2]).glob(f"{sha256}.*"):
             path.unlink(missing_ok=True)
+
+    def stored(self, written_before: float) -> dict[str, int]:
+        """Hash -> bytes of every stored file last written before ``written_before`` (a Unix time).
+
+        Files being written (dot-named temporaries) and names that are not ours are left out.
+        """
+        found: dict[str, int] = {}
+        if not self.root.is_dir():
+            return found
+        for path in self.root.glob("??/*"):
+            if path.name.startswith(".") or not path.is_file():
+                continue
+            try:
+                info = path.stat()
+            except OSError:  # removed meanwhile
+                continue
+            if info.st_mtime < written_before:
+                sha = path.name.split(".", 1)[0]
+                found[sha] = found.get(sha, 0) + info.st_size
+        return found

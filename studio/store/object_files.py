@@ -17,6 +17,7 @@ import hashlib
 import logging
 import re
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,21 @@ _URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
 def is_object_store(location: str | None) -> bool:
     """Whether ``--outputs`` names an object store (a URL with a scheme) rather than a folder."""
     return bool(location) and bool(_URL.match(str(location))) and not str(location).startswith("file://")
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _modified(info: dict[str, Any]) -> float | None:
+    """An object's last-modified time (Unix) from fsspec's listing (s3fs: ``LastModified``; local and
+    memory filesystems: ``mtime`` or ``created``), or None when it reports none."""
+    for key in ("LastModified", "last_modified", "mtime", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            return (value if value.tzinfo else value.replace(tzinfo=UTC)).timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def _option_value(value: str) -> Any:
@@ -127,6 +143,25 @@ class ObjectStoreFiles(OutputFiles):
         for remote in self._remote_matches(sha256):
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(remote)
+
+    def stored(self, written_before: float) -> dict[str, int]:
+        """Hash -> bytes of the objects in the store (and files in the cache) written before
+        ``written_before``: what ``history prune`` may remove when no run refers to it. An object whose
+        time the store does not report is left out (never removed on a guess)."""
+        found = self.cache.stored(written_before)
+        try:
+            listing = self.fs.find(self.base, detail=True)
+        except FileNotFoundError:  # nothing written yet
+            return found
+        for remote, info in listing.items():
+            name = remote.rsplit("/", 1)[-1]
+            sha = name.split(".", 1)[0]
+            if name.startswith(".") or not _SHA256.fullmatch(sha) or info.get("type") == "directory":
+                continue
+            modified = _modified(info)
+            if modified is not None and modified < written_before:
+                found[sha] = found.get(sha, 0) + int(info.get("size") or 0)
+        return found
 
     def _remote_matches(self, sha256: str) -> list[str]:
         try:

@@ -1032,22 +1032,14 @@ class RunStore:
         return len(ids) if dry_run else self._delete_ids(ids)
 
     def prune_files(self, min_age_seconds: float = 3600.0) -> tuple[int, int]:
-        """Remove output files that no run references (left by a crash or an interrupted delete).
+        """Remove output files that no run references (left by a crash or an interrupted delete), in the
+        data folder or in an object store (``--outputs s3://...``).
 
         Only files older than ``min_age_seconds`` go: a file is written just before its run's output row
         (possibly by another process), so a new file without a row yet is not an orphan. Returns
         ``(files removed, bytes freed)``.
         """
-        if not self.files.root.is_dir():
-            return 0, 0
-        cutoff = time.time() - min_age_seconds
-        candidates: dict[str, list[Path]] = {}
-        for path in self.files.root.glob("??/*"):
-            if path.name.startswith(".") or not path.is_file():
-                continue  # a write in progress (tempfile) or something that is not ours
-            with suppress(OSError):
-                if path.stat().st_mtime < cutoff:
-                    candidates.setdefault(path.name.split(".", 1)[0], []).append(path)
+        candidates = self.files.stored(time.time() - min_age_seconds)
         shas = list(candidates)
         used: set[str] = set()
         with self._read() as session:
@@ -1055,14 +1047,12 @@ class RunStore:
                 chunk = shas[start : start + _IN_CHUNK]
                 used.update(session.scalars(select(Output.sha256).where(Output.sha256.in_(chunk)).distinct()))
         removed = freed = 0
-        for sha, paths in candidates.items():
+        for sha, size in candidates.items():
             if sha in used:
                 continue
-            for path in paths:
-                with suppress(OSError):
-                    size = path.stat().st_size
-                    path.unlink()
-                    removed, freed = removed + 1, freed + size
+            with suppress(OSError):
+                self.files.remove(sha)
+                removed, freed = removed + 1, freed + size
         return removed, freed
 
     def database_bytes(self) -> int | None:
