@@ -906,5 +906,6 @@ def build_engine(
 
 
 def engine_placement(engine: OmniEngine) -> dict[int, list[dict[str, Any]]]:
-    """Where each stage runs: per stage, its Ray replicas (name, node, pid, load); empty when embedded."""
+    """Where each stage runs, for stages outside this process: per stage, its Ray replicas or its own
+    process (name, node, pid, load); empty when every stage runs in this process."""
     return {sid: runner.placement() for sid, runner in engine.runners.items() if hasattr(runner, "placement")}

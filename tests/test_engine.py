@@ -180,38 +180,29 @@ def test_closing_the_async_iterator_cancels_the_request(glm_engine):
     assert asyncio.run(main())
 
 
-def test_a_failing_stage_gives_a_clear_error_and_the_engine_stays_usable(glm_engine, monkeypatch):
-    runner = glm_engine.runners[1]
-    original = runner.run
+@pytest.mark.parametrize(
+    ("method", "error", "message"),
+    [
+        ("run", RuntimeError("VAE exploded"), "stage 1 (diffusion) failed: RuntimeError: VAE exploded"),
+        # The stage worker computes batch keys while it forms a batch: it used to die there, leaving every
+        # queued request waiting.
+        ("batch_key", ValueError("no batch key for this one"), "no batch key for this one"),
+    ],
+)
+def test_a_failing_stage_gives_a_clear_error_and_the_engine_stays_usable(
+    glm_engine, monkeypatch, method, error, message
+):
+    def broken(*args):
+        raise error
 
-    def broken(jobs):
-        raise RuntimeError("VAE exploded")
-
-    monkeypatch.setattr(runner, "run", broken)
-    events = collect(glm_engine, t2i(height=64, width=64))
+    with monkeypatch.context() as patch:
+        patch.setattr(glm_engine.runners[1], method, broken)
+        events = collect(glm_engine, t2i(height=64, width=64))
     failed = events[-1]
     assert isinstance(failed, RunFailed) and not failed.cancelled
-    assert failed.stage_id == 1 and "stage 1 (diffusion) failed: RuntimeError: VAE exploded" in failed.message
+    assert failed.stage_id == 1 and message in failed.message
     assert [e.status for e in events if isinstance(e, StageFinished)] == ["succeeded", "failed"]
-    monkeypatch.setattr(runner, "run", original)
-    assert glm_engine.run(t2i(height=64, width=64)).images
-
-
-def test_a_job_whose_batch_key_fails_fails_alone_and_the_stage_keeps_serving(glm_engine, monkeypatch):
-    runner = glm_engine.runners[1]
-    original = runner.batch_key
-
-    def broken(job):
-        raise ValueError("no batch key for this one")
-
-    monkeypatch.setattr(runner, "batch_key", broken)
-    events = collect(glm_engine, t2i(height=64, width=64))
-    failed = events[-1]
-    assert isinstance(failed, RunFailed) and failed.stage_id == 1
-    assert "no batch key for this one" in failed.message
-    monkeypatch.setattr(runner, "batch_key", original)
-    # the worker thread is still alive: the next request goes through the same stage
-    assert glm_engine.run(t2i(height=64, width=64)).images
+    assert glm_engine.run(t2i(height=64, width=64)).images  # the same stage serves the next request
 
 
 def test_concurrent_requests_all_complete_and_match_sequential_results(glm_engine):

@@ -147,7 +147,12 @@ def test_the_trained_shapes_model_from_the_picker_draws_the_prompt(client):
 
     assert "Now serving **tiny-glm-shapes**" in client.predict("tiny-glm-shapes", api_name="/switch_model")
     try:
-        assert client.predict(api_name="/system_info")["running"]["model"] == "tiny-glm-shapes"
+        running = client.predict(api_name="/system_info")["running"]
+        assert running["model"] == "tiny-glm-shapes"
+        # Its preset runs the DiT in a process of its own (docs/batching.md): the System tab shows which.
+        dit = running["stages"][1]
+        assert "own_process" not in running["stages"][0] and dit["own_process"][0]["pid"] > 0
+        assert dit["runs_in"] == f"own process (pid {dit['own_process'][0]['pid']})"
         prompt = "a yellow square on a green background, bottom right"
         history = client.predict(
             {"text": prompt, "files": []}, [], 5, 128, 128, 8, 1.0, "", 32, 0.0, [], 0, api_name="/chat"

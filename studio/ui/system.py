@@ -92,8 +92,17 @@ def system_info(studio: Studio) -> dict[str, Any]:
                     "output": s.engine_output_type,
                     "batch_size": s.engine_args.batch_size,
                     "queue_depth": studio.engine.queue_depths().get(s.stage_id, 0),
-                    # On a Ray cluster (--ray-address): each replica's actor, node, pid and load.
-                    **({"ray_replicas": placement[s.stage_id]} if s.stage_id in placement else {}),
+                    # On a Ray cluster (--ray-address): each replica's actor, node, pid and load; a stage
+                    # with its own process (own_process: true): that process's pid and load.
+                    **(
+                        {
+                            ("ray_replicas" if studio.engine.ray_address else "own_process"): placement[
+                                s.stage_id
+                            ]
+                        }
+                        if s.stage_id in placement
+                        else {}
+                    ),
                 }
                 for s in config.stages
             ],
@@ -105,6 +114,15 @@ def system_info(studio: Studio) -> dict[str, Any]:
             "run_store": getattr(studio.store, "url", None) if studio.store is not None else "disabled",
         },
     }
+
+
+def _runs_in(placement: list[dict[str, Any]] | None, ray_address: str | None) -> str:
+    """Where a stage's model runs, in words: this process, its own process, or Ray actors."""
+    if not placement:
+        return "this process"
+    if ray_address:
+        return f"{len(placement)} Ray actor{'s' if len(placement) != 1 else ''}"
+    return f"own process (pid {placement[0]['pid']})"
 
 
 def _table(headers: list[str], rows: list[list[object]], elem_id: str = "") -> str:
@@ -179,13 +197,14 @@ def system_html(info: dict[str, Any]) -> str:
         ]
     )
     stages = _table(
-        ["stage", "kind", "backend", "device", "batch size", "queue depth", "output"],
+        ["stage", "kind", "backend", "device", "runs in", "batch size", "queue depth", "output"],
         [
             [
                 s["stage_id"],
                 s["kind"],
                 s["backend"],
                 s["device"],
+                s["runs_in"],
                 s["batch_size"],
                 s["queue_depth"],
                 s["output"],
