@@ -3,7 +3,10 @@ tiny-glm-shapes with its shipped deploy config, 128x128), levels alternating ove
 level, p50/p95 latency, and whether every PNG equals the bytes the same request gave alone.
 Target: 8 clients >= 3.0x one client, bytes identical.
 
-    .venv/bin/python bench/throughput.py [--rounds 3] [--per-client 2] [--levels 1 4 8 16]
+    .venv/bin/python bench/throughput.py [--rounds 3] [--per-client 3] [--levels 1 4 8 16]
+
+The machine's speed drifts between rounds; each round's ratio to the same round's 1-client rate (paired,
+levels side by side) is printed with its range next to the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-glm-shapes")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--rounds", type=int, default=3, help="rounds; levels alternate within each")
-    parser.add_argument("--per-client", type=int, default=2, help="requests per client per level and round")
+    parser.add_argument("--per-client", type=int, default=3, help="requests per client per level and round")
     parser.add_argument("--serve-args", nargs="*", default=[], help="extra `omni-studio serve` flags")
     args = parser.parse_args()
 
@@ -101,12 +104,17 @@ def main() -> None:
 
     base = statistics.median(rates[args.levels[0]])
     print(f"\n{args.model}, {args.rounds} rounds, {args.per_client} requests per client per round")
-    print(f"{'clients':>8} {'req/s median':>13} {'range':>14} {'x vs 1':>7} {'p50 s':>7} {'p95 s':>7}")
+    print(
+        f"{'clients':>8} {'req/s median':>13} {'range':>14} {'x vs 1':>7} {'paired x (range)':>18} "
+        f"{'p50 s':>7} {'p95 s':>7}"
+    )
     for level in args.levels:
         median = statistics.median(rates[level])
         low, high = min(rates[level]), max(rates[level])
+        paired = sorted(r / b for r, b in zip(rates[level], rates[args.levels[0]], strict=True))
+        paired_text = f"{statistics.median(paired):.2f} ({paired[0]:.2f}-{paired[-1]:.2f})"
         print(
-            f"{level:>8} {median:>13.2f} {f'{low:.2f}-{high:.2f}':>14} {median / base:>7.2f} "
+            f"{level:>8} {median:>13.2f} {f'{low:.2f}-{high:.2f}':>14} {median / base:>7.2f} {paired_text:>18} "
             f"{statistics.median(latencies[level]):>7.2f} {percentile(latencies[level], 0.95):>7.2f}"
         )
     print(f"PNG bytes equal to the alone run: {'all' if mismatches == 0 else f'{mismatches} differ'}")

@@ -72,12 +72,13 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> float:
 
 
 def long_chat(stream: bool) -> dict:
-    """A long AR decode: tiny-glm-image's random head only emits image codes, so a 512x512 grid never ends
-    early (thousands of tokens)."""
+    """A long AR decode: tiny-glm-image's random head only emits image codes, so a 1024x1024 grid never
+    ends early: 1280 tokens, over a second even with the lean batched decode (a 512x512 grid's 320 tokens
+    could finish inside the test's half-second hold)."""
     return {
         "messages": [{"role": "user", "content": "a red circle"}],
-        "height": 512,
-        "width": 512,
+        "height": 1024,
+        "width": 1024,
         "num_inference_steps": 2,
         "stream": stream,
     }

@@ -92,6 +92,7 @@ def system_info(studio: Studio) -> dict[str, Any]:
                     "output": s.engine_output_type,
                     "batch_size": s.engine_args.batch_size,
                     "queue_depth": studio.engine.queue_depths().get(s.stage_id, 0),
+                    "runs_in": _runs_in(placement.get(s.stage_id), studio.engine.ray_address),
                     # On a Ray cluster (--ray-address): each replica's actor, node, pid and load; a stage
                     # with its own process (own_process: true): that process's pid and load.
                     **(
