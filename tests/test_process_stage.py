@@ -109,3 +109,22 @@ def test_the_studio_starts_the_process_early_and_the_stage_takes_it(session_data
         assert engine.run(t2i()).images
     finally:
         engine.close()
+
+
+def test_a_model_the_process_cannot_load_fails_the_build_naming_the_stage(glm_engine, tmp_path):
+    """The child reports why it could not load (here: a corrupt DiT weights file); the engine build fails
+    with that reason and the stages already started are shut down."""
+    import shutil
+
+    from engine import build_engine
+    from engine.engine import EngineBuildError
+
+    folder = tmp_path / "broken-glm"
+    shutil.copytree(glm_engine.model.path, folder)
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"not safetensors")
+    deploy = {"stages": [{"stage_id": 0, "backend": "transformers"}, {"stage_id": 1, "own_process": True}]}
+    with pytest.raises(EngineBuildError) as caught:
+        build_engine(str(folder), deploy, data_dir=tmp_path / "data")
+    message = str(caught.value)
+    assert "stage 1 (diffusion) failed to start" in message
+    assert "stage 1's process could not load the model" in message
