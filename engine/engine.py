@@ -53,7 +53,7 @@ from engine.models import ModelCard, ModelSource, describe_model, materialize, m
 from engine.paths import default_data_dir, model_cache_dir
 from engine.processors import INPUT_PROCESSORS
 from engine.request import GenerationRequest, RequestError, ResolvedRequest
-from engine.stages.base import StageCancelled, StageJob, StageRunner
+from engine.stages.base import StageJob, StageRunner, run_batch
 
 EventSink = Callable[[EngineEvent], None]
 
@@ -305,9 +305,7 @@ class _StageWorker:
     def _loop(self) -> None:
         if self.runner.concurrent:
             return self._concurrent_loop()
-        if self.runner.intra_op_threads is not None:
-            torch.set_num_threads(self.runner.intra_op_threads)  # this thread's setting only
-        while True:
+        while True:  # run_batch sets the stage's intra-op threads on this thread
             taken = self._take_batch()
             if taken is None:
                 return
@@ -380,13 +378,7 @@ class _StageWorker:
         started = time.time()
         for ticket in live:
             self.engine._job_started(ticket, started)
-        status, error = StageStatus.SUCCEEDED, None
-        try:
-            self.runner.run([t.job for t in live])
-        except StageCancelled:
-            status = StageStatus.CANCELLED
-        except Exception as exc:  # a failing stage fails its requests, never the engine
-            status, error = StageStatus.FAILED, exc
+        status, error = run_batch(self.runner, [t.job for t in live])  # a failing stage fails its requests
         finished = time.time()
         for ticket in live:
             ticket_status = (

@@ -18,7 +18,6 @@ are the same as in-process. Cancels reach the child within POLL_S. A child that 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import logging
@@ -46,11 +45,10 @@ from engine.distributed.wire import (
     far_job,
     portable_error,
     restore_error,
-    run_batch,
 )
 from engine.events import StageStatus
 from engine.models import ModelSource, describe_model
-from engine.stages.base import StageJob
+from engine.stages.base import StageJob, run_batch
 
 log = logging.getLogger("omni_studio.engine.process")
 
@@ -116,16 +114,7 @@ def serve_stage(
     except Exception as exc:
         send(("failed", portable_error(exc)))
         return
-    send(
-        (
-            "ready",
-            {
-                "pid": os.getpid(),
-                "concurrent": bool(runner.concurrent),
-                "torch_threads": torch.get_num_threads(),
-            },
-        )
-    )
+    send(("ready", {"pid": os.getpid(), "concurrent": bool(runner.concurrent)}))
     jobs: dict[str, StageJob] = {}
     batches: queue.SimpleQueue[tuple[int, list[StageJob], list[str]] | None] = queue.SimpleQueue()
 
@@ -199,14 +188,11 @@ def serve_stage(
 class ProcessStageRunner(RemoteStageRunner):
     """The engine's side of a stage whose model runs in a child process."""
 
-    _keys = itertools.count()
-
     def __init__(self, stage: ResolvedStage, model: ModelSource, device: torch.device) -> None:
         super().__init__(stage, Path(model.path or "."), device)
         self.kind = stage.kind.value
         # How the child finds the model: a built-in by name, a folder by its path.
         self._model_ref = model.name if model.builtin else str(model.path)
-        self.handoff_s: collections.deque[float] = collections.deque(maxlen=1000)  # per job, latest last
         self.pid: int | None = None
         self.served = 0
         self._calls: dict[int, queue.SimpleQueue[Message]] = {}
@@ -306,9 +292,7 @@ class ProcessStageRunner(RemoteStageRunner):
         """Where the stage runs: its process, whether it is up, and the median hand-off per job (ms beyond
         the child's own time)."""
         with self._lock:
-            handoff = sorted(self.handoff_s)
             up = self._conn is not None
-        median = round(handoff[len(handoff) // 2] * 1000, 1) if handoff else None
         return [
             {
                 "replica": 0,
@@ -318,7 +302,7 @@ class ProcessStageRunner(RemoteStageRunner):
                 "in_flight": len(self._calls),
                 "served": self.served,
                 "up": up,
-                "handoff_ms_p50": median,
+                "handoff_ms_p50": self.handoff_ms_p50(),
             }
         ]
 
@@ -334,7 +318,7 @@ class ProcessStageRunner(RemoteStageRunner):
         return self._conn
 
     def call(self, jobs: list[StageJob]) -> list[tuple[StageStatus, Exception | None]]:
-        keys = [f"{job.request_id}/{job.index}/{next(self._keys)}" for job in jobs]
+        keys = self.job_keys(jobs)
         inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         call_id = next(self._call_ids)
         with self._lock:

@@ -25,7 +25,6 @@ This module imports Ray at the top: it is imported only when a Ray address is gi
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import os
@@ -49,11 +48,10 @@ from engine.distributed.wire import (
     deliver,
     done_message,
     far_job,
-    run_batch,
 )
 from engine.events import StageStatus
 from engine.models import ModelSource, materialize
-from engine.stages.base import StageJob
+from engine.stages.base import StageJob, run_batch
 
 log = logging.getLogger("omni_studio.engine.ray")
 
@@ -252,8 +250,6 @@ class RayStageRunner(RemoteStageRunner):
     get ``max_num_seqs`` jobs in flight per replica.
     """
 
-    _keys = itertools.count()
-
     def __init__(
         self,
         stage: ResolvedStage,
@@ -268,7 +264,6 @@ class RayStageRunner(RemoteStageRunner):
         self.ray_config = ray_config
         self.namespace = namespace
         self.remote_concurrent = False
-        self.handoff_s: collections.deque[float] = collections.deque(maxlen=1000)  # per job, latest last
         self._lock = threading.Condition()
         self._rotation = itertools.count()
         self._closed = False
@@ -356,8 +351,7 @@ class RayStageRunner(RemoteStageRunner):
         """Each replica: actor name, node, pid, batches in flight and served, whether it is up; and the
         stage's median hand-off (ms per job beyond the actor's own time) over its recent jobs."""
         with self._lock:
-            handoff = sorted(self.handoff_s)
-            median = round(handoff[len(handoff) // 2] * 1000, 1) if handoff else None
+            median = self.handoff_ms_p50()
             return [{**replica.describe(), "handoff_ms_p50": median} for replica in self.replicas]
 
     # -- calls ----------------------------------------------------------------------------------------
@@ -377,7 +371,7 @@ class RayStageRunner(RemoteStageRunner):
                 self._release(replica)
 
     def _stream(self, replica: Replica, jobs: list[StageJob]) -> list[tuple[StageStatus, Exception | None]]:
-        keys = [f"{job.request_id}/{job.index}/{next(self._keys)}" for job in jobs]
+        keys = self.job_keys(jobs)
         specs = [JobSpec.of(key, job) for key, job in zip(keys, jobs, strict=True)]
         results: dict[int, tuple[StageStatus, Exception | None]] = {}
         cancel_sent: set[int] = set()

@@ -15,15 +15,19 @@ same bytes (docs/distributed.md, docs/batching.md).
 
 from __future__ import annotations
 
+import collections
+import itertools
 import pickle
 import threading
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.config import ResolvedStage
 from engine.events import EngineEvent, FinishReason, StageStatus
 from engine.modality import OutputAccumulator, OutputModality
 from engine.request import RequestError
@@ -140,20 +144,6 @@ def deliver(
         results[i] = (StageStatus(status), restore_error(error))
 
 
-def run_batch(runner: StageRunner, jobs: list[StageJob]) -> tuple[StageStatus, Exception | None]:
-    """Run a batch on the far side as the engine's stage worker does in-process: the stage's own intra-op
-    threads for the thread that runs its model (the same float math, so the same bytes)."""
-    if runner.intra_op_threads is not None:
-        torch.set_num_threads(runner.intra_op_threads)  # this thread's setting only
-    try:
-        runner.run(jobs)
-    except StageCancelled:
-        return StageStatus.CANCELLED, None
-    except Exception as exc:  # the batch fails; the far side keeps serving
-        return StageStatus.FAILED, exc
-    return StageStatus.SUCCEEDED, None
-
-
 class RemoteStageRunner(StageRunner):
     """The near side of a stage whose model runs elsewhere; the engine drives it like any runner.
 
@@ -164,6 +154,20 @@ class RemoteStageRunner(StageRunner):
 
     remote_concurrent = False  # what the far side's runner says once loaded
     rules: StageRunner | None = None
+    _keys = itertools.count()
+
+    def __init__(self, stage: ResolvedStage, model_path: Path, device: torch.device) -> None:
+        super().__init__(stage, model_path, device)
+        self.handoff_s: collections.deque[float] = collections.deque(maxlen=1000)  # per job, latest last
+
+    def job_keys(self, jobs: list[StageJob]) -> list[str]:
+        """Keys the far side knows the jobs by (the near side cancels them by key); unique per call."""
+        return [f"{job.request_id}/{job.index}/{next(self._keys)}" for job in jobs]
+
+    def handoff_ms_p50(self) -> float | None:
+        """The median hand-off over recent jobs: ms per job beyond the far side's own time."""
+        handoff = sorted(self.handoff_s)
+        return round(handoff[len(handoff) // 2] * 1000, 1) if handoff else None
 
     @property
     def concurrent(self) -> bool:  # type: ignore[override]  # a class attribute on the base; the far side's

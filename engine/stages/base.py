@@ -151,3 +151,18 @@ class StageRunner(ABC):
     def submit(self, job: StageJob, done: JobDone) -> None:
         """Start ``job`` without blocking (``concurrent`` runners only); call ``done`` exactly once."""
         raise NotImplementedError(f"{type(self).__name__} is not a concurrent runner")
+
+
+def run_batch(runner: StageRunner, jobs: list[StageJob]) -> tuple[StageStatus, Exception | None]:
+    """Run a batch on the calling thread (the engine's stage worker, a Ray actor's, a stage process's) with
+    the stage's own intra-op threads (the same float math, so the same bytes everywhere); a failing batch
+    fails its jobs, never the caller."""
+    if runner.intra_op_threads is not None:
+        torch.set_num_threads(runner.intra_op_threads)  # this thread's setting only
+    try:
+        runner.run(jobs)
+    except StageCancelled:
+        return StageStatus.CANCELLED, None
+    except Exception as exc:  # the batch fails; the caller keeps serving
+        return StageStatus.FAILED, exc
+    return StageStatus.SUCCEEDED, None
