@@ -22,3 +22,39 @@ def quiet_libraries() -> None:
         diffusers = sys.modules["diffusers"]
         diffusers.utils.logging.set_verbosity_error()
         diffusers.utils.logging.disable_progress_bar()
+
+
+class StartupCollection:
+    """No cyclic garbage collection while a process starts; ``done()`` (or leaving the ``with``) turns it
+    back on.
+
+    Start-up builds about a million long-lived objects (modules, classes, the model) and almost no garbage,
+    yet the collector walks all of them again and again as they pile up: importing torch, transformers,
+    diffusers and gradio takes ~20% less time with it off (docs/batching.md, "Start-up"). With
+    ``freeze=True`` (long-lived servers) ``done()`` also moves everything alive into the permanent
+    generation, so that no later full collection walks those objects again: one such walk takes ~0.7 s
+    here, a pause every request in flight would feel. The price: the few MB of cyclic garbage made during
+    start-up are never freed (measured: ~30,000 blocks, ~13 MB). Not nested: ``done()`` turns it on.
+    """
+
+    def __init__(self, freeze: bool = False) -> None:
+        import gc
+
+        self._gc = gc
+        self.freeze = freeze
+        self.settled = False
+
+    def __enter__(self) -> StartupCollection:
+        self._gc.disable()
+        return self
+
+    def done(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        if self.freeze:
+            self._gc.freeze()
+        self._gc.enable()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.done()

@@ -525,6 +525,7 @@ def check_run_limits(parameters: dict[str, Any], limits: InputLimits) -> None:
 
 def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
     from engine import GenerationParams, GenerationRequest, RequestError
+    from engine.environment import StartupCollection
     from engine.events import RunFailed
     from engine.modality import OutputModality
     from studio.launch import close_recorder, open_recorder, start_engine
@@ -539,7 +540,8 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
     if args.prompt is None:
         raise UserError("give a PROMPT, or --recipe FILE.png to re-run a PNG's recipe")
     image = load_image_source(args.image) if args.image else None
-    engine = start_engine(settings)
+    with StartupCollection():  # engine/environment.py
+        engine = start_engine(settings)
     recorder = None
     try:
         request = GenerationRequest(

@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.environment import StartupCollection
 from studio.errors import StartupError
 from studio.settings import StudioSettings
 from studio.starting import ASGIApp, StartingApp
@@ -224,27 +225,31 @@ def serve_api(settings: StudioSettings) -> int:
 
     def load() -> None:
         try:
-            api = import_api()
-            options = serving_options(settings)
-            recorder = loaded["recorder"] = open_recorder(settings)
-            state = api.ServingState(None, options, recorder=recorder, source="api")
-            front.target = api.create_app(state)  # 503 engine_not_ready (recorded as runs) until set_engine
-            front.record_refused(recorder, state.served_model_name)
-            engine = loaded["engine"] = start_engine(settings)
-            state.set_engine(engine)
-            loaded["jobs"] = state.jobs = start_jobs(state, recorder, settings)  # resumes unfinished jobs
-            front.record_refused(recorder, state.served_model_name)  # any that raced the hand-over
-            fingerprint = state.handlers.system_fingerprint if state.handlers else None
-            print(
-                f"Omni Studio API ready on http://{settings.host}:{settings.port}/v1 — model "
-                f"{state.served_model_name} ({engine.config.family}), config {engine.config.hash8}, "
-                f"fingerprint {fingerprint or 'none'}",
-                file=sys.stderr,
-                flush=True,
-            )
+            with StartupCollection(freeze=True):  # engine/environment.py
+                _load()
         except BaseException as exc:  # the server stops and the main thread reports it
             failure.append(exc)
             server.should_exit = True
+
+    def _load() -> None:
+        api = import_api()
+        options = serving_options(settings)
+        recorder = loaded["recorder"] = open_recorder(settings)
+        state = api.ServingState(None, options, recorder=recorder, source="api")
+        front.target = api.create_app(state)  # 503 engine_not_ready (recorded as runs) until set_engine
+        front.record_refused(recorder, state.served_model_name)
+        engine = loaded["engine"] = start_engine(settings)
+        state.set_engine(engine)
+        loaded["jobs"] = state.jobs = start_jobs(state, recorder, settings)  # resumes unfinished jobs
+        front.record_refused(recorder, state.served_model_name)  # any that raced the hand-over
+        fingerprint = state.handlers.system_fingerprint if state.handlers else None
+        print(
+            f"Omni Studio API ready on http://{settings.host}:{settings.port}/v1 — model "
+            f"{state.served_model_name} ({engine.config.family}), config {engine.config.hash8}, "
+            f"fingerprint {fingerprint or 'none'}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     loader = threading.Thread(target=load, daemon=True, name="omni-load-engine")
@@ -274,6 +279,11 @@ def launch_ui(settings: StudioSettings) -> int:
 
     A loading page holds the port while the engine, Gradio and the UI load; then ``launch()`` takes it.
     """
+    with StartupCollection(freeze=True) as startup:  # until the studio is up (engine/environment.py)
+        return _launch_ui(settings, startup)
+
+
+def _launch_ui(settings: StudioSettings, startup: StartupCollection) -> int:
     model = settings.model or _default_model()
     prestart_stage_processes(settings)
     sock = listen(settings)
@@ -288,12 +298,17 @@ def launch_ui(settings: StudioSettings) -> int:
         flush=True,
     )
     try:
-        return _launch_ui(settings, starting.stop, front)
+        return _serve_ui(settings, starting.stop, front, startup)
     finally:
         starting.stop()  # a no-op once launch() has the port; frees it when loading failed
 
 
-def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front: StartingApp) -> int:
+def _serve_ui(
+    settings: StudioSettings,
+    release_port: Callable[[], None],
+    front: StartingApp,
+    startup: StartupCollection,
+) -> int:
     # Settle the share login and API key before anything loads: a public link without a login would let
     # anyone use the machine, and the API is public through the same link.
     auth = settings.auth
@@ -304,12 +319,10 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
         if not settings.api_key:
             generated_key = secrets.token_urlsafe(18)
 
-    # Gradio's import (seconds) overlaps torch/transformers/diffusers and the engine start on the main
-    # thread: a large part of both is file I/O, which releases the GIL. It cuts the studio's cold start.
-    preload = threading.Thread(
-        target=lambda: __import__("studio.ui.app"), daemon=True, name="omni-preload-ui"
-    )
-    preload.start()
+    # One thing at a time: the engine (torch, transformers, diffusers, the model), then Gradio. Importing
+    # Gradio on a second thread meanwhile made the whole start 1-2 s *slower* and the engine 4-5 s later:
+    # imports are CPU-bound under the GIL, and every GIL release of one thread (file I/O, torch ops) waits
+    # out the other's time slice (docs/batching.md, "Start-up").
     import_api()
     options = serving_options(settings)
     if generated_key:
@@ -328,8 +341,6 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
     delay = float(os.environ.get(UI_DELAY_ENV) or 0)
     if delay > 0:  # test-only (see UI_DELAY_ENV)
         time.sleep(delay)
-    preload.join()
-
     import gradio as gr
 
     from studio.controller import Studio
@@ -385,6 +396,7 @@ def _launch_ui(settings: StudioSettings, release_port: Callable[[], None], front
         app_kwargs=api_app_kwargs(serving),
     )
     attach_api(app, serving)  # the login guard (Gradio adds POST /login in launch())
+    startup.done()
     studio.base_url = local_url.rstrip("/") if local_url else f"http://{settings.host}:{settings.port}"
     studio.share.url = share_url
     if settings.share and not share_url:

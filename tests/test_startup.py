@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -140,6 +141,17 @@ def test_serve_answers_while_the_engine_loads_then_serves(tmp_path):
         assert response.status_code == 200, response.text
         part = response.json()["choices"][0]["message"]["content"][0]
         assert part["image_url"]["url"].startswith("data:image/png;base64,")
+        assert start_up_settled_the_collector(server)
+
+
+def start_up_settled_the_collector(server: Any) -> bool:
+    """The start-up's objects were frozen, and with that the garbage collector turned back on
+    (engine/environment.py; tests/test_environment.py checks the pair)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    frozen = next(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("omni_studio_gc_frozen")
+    )
+    return frozen > 100_000
 
 
 @pytest.mark.browser  # a live studio through gradio_client, like tests/test_ui_client.py
@@ -170,6 +182,7 @@ def test_ui_shows_the_loading_state_then_works(tmp_path):
         assert info["running"]["model"] == "tiny-glm-image"
         response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
         assert response.status_code == 200, response.text
+        assert start_up_settled_the_collector(server)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ import queue
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -46,6 +47,7 @@ from engine.distributed.wire import (
     portable_error,
     restore_error,
 )
+from engine.environment import StartupCollection
 from engine.events import StageStatus
 from engine.models import ModelSource, describe_model
 from engine.stages.base import StageJob, run_batch
@@ -77,21 +79,31 @@ def child_main(fd: int) -> None:
     """Entry point of the stage process: its pipe is the inherited socket ``fd``; the first message
     says which stage to serve."""
     conn = Connection(fd)
-    # The model libraries first, while the parent still decides which stage this is (engine.distributed.spawn).
-    import diffusers  # noqa: F401
-    import transformers  # noqa: F401
+    with StartupCollection(freeze=True) as startup:  # engine/environment.py
+        # The model libraries first, while the parent still decides which stage this is
+        # (engine.distributed.spawn).
+        import diffusers  # noqa: F401
+        import transformers  # noqa: F401
 
-    try:
-        _, stage, model, path, device, torch_threads = _recv(conn)
-    except (EOFError, OSError):  # started early and never taken
-        return
-    serve_stage(conn, stage, model, path, device, torch_threads)
+        try:
+            _, stage, model, path, device, torch_threads = _recv(conn)
+        except (EOFError, OSError):  # started early and never taken
+            return
+        serve_stage(conn, stage, model, path, device, torch_threads, startup.done)
 
 
 def serve_stage(
-    conn: Connection, stage: ResolvedStage, model: str, path: str, device: str, torch_threads: int
+    conn: Connection,
+    stage: ResolvedStage,
+    model: str,
+    path: str,
+    device: str,
+    torch_threads: int,
+    loaded: Callable[[], None] = lambda: None,
 ) -> None:
-    """The child's main: load the stage's runner, then run what the parent sends until it says stop.
+    """The child's main: load the stage's runner (then call ``loaded``), then run what the parent sends
+    until it says stop.
+
 
     Parent -> child: ``("start", stage, model, path, device, threads)`` first, then ``("run", call_id, [JobSpec])``, ``("cancel", [key])``, ``("stop",)``.
     Child -> parent: ``("ready", info)`` or ``("failed", error)`` once, then ``(call_id, message)``.
@@ -114,6 +126,7 @@ def serve_stage(
     except Exception as exc:
         send(("failed", portable_error(exc)))
         return
+    loaded()
     send(("ready", {"pid": os.getpid(), "concurrent": bool(runner.concurrent)}))
     jobs: dict[str, StageJob] = {}
     batches: queue.SimpleQueue[tuple[int, list[StageJob], list[str]] | None] = queue.SimpleQueue()

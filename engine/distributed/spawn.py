@@ -34,7 +34,11 @@ def start() -> Child:
     """A fresh interpreter on ``engine.distributed.process_stage.child_main`` (never multiprocessing's spawn,
     which re-runs the caller's main script; never a fork), with a socket pair as its pipe."""
     parent, child = socket.socketpair()
-    code = f"from engine.distributed.process_stage import child_main; child_main({child.fileno()})"
+    # The collector off from the first line: torch's import comes with the module (engine/environment.py).
+    code = (
+        "import gc; gc.disable(); "
+        f"from engine.distributed.process_stage import child_main; child_main({child.fileno()})"
+    )
     # The child imports what this process imports (the project, its packages) from the same paths.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
     process = subprocess.Popen(

@@ -1,9 +1,19 @@
 """Prometheus metrics for ``GET /metrics``: requests, latency, per-stage time, queue depth and each
-waiting request's place in its stage's queue."""
+waiting request's place in its stage's queue; and the process's own (CPU, memory, garbage collection)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import gc
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from engine.events import StageFinished
 
@@ -15,6 +25,15 @@ class APIMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # process_* (CPU seconds, resident memory, open files) and python_gc_* (collections per
+        # generation: the collector is off during start-up and back on after, engine/environment.py)
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        Gauge(
+            "omni_studio_gc_frozen_objects",
+            "Objects the start-up moved out of the garbage collector's reach (0 while starting)",
+            registry=self.registry,
+        ).set_function(gc.get_freeze_count)
         self.requests = Counter(
             "omni_studio_requests",
             "HTTP requests by endpoint and status code",

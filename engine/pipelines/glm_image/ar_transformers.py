@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -309,15 +310,36 @@ class GlmImageDecoder:
         return restored
 
 
+def load_processor(path: Path) -> GlmImageProcessor:
+    """``GlmImageProcessor.from_pretrained(path)``, without importing mistral_common.
+
+    transformers 5.19's ``ProcessorMixin.__init__`` checks the tokenizer against a pair of classes and
+    resolves both, the second being ``MistralCommonBackend``: where mistral_common is installed (vLLM
+    depends on it) that imports it, jsonschema and OpenCV, ~0.5 s of every start. A tokenizer that is a
+    ``PreTrainedTokenizerBase`` passes that check whatever the second class is, so it is answered without
+    resolving it; anything else still goes through transformers' own check.
+    """
+    from transformers import GlmImageProcessor, PreTrainedTokenizerBase
+
+    class Processor(GlmImageProcessor):
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if isinstance(argument, PreTrainedTokenizerBase):
+                return type(argument)
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    Processor.__name__ = Processor.__qualname__ = GlmImageProcessor.__name__
+    return Processor.from_pretrained(path)
+
+
 class GlmImageARStage(TransformersARStage):
     """Stage 0: text (+ source image) -> image-code ids on transformers."""
 
     processor: GlmImageProcessor
 
     def load(self) -> None:
-        from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
+        from transformers import GlmImageForConditionalGeneration
 
-        self.processor = GlmImageProcessor.from_pretrained(self.model_path / PROCESSOR_COMPONENT)
+        self.processor = load_processor(self.model_path / PROCESSOR_COMPONENT)
         self.model = (
             GlmImageForConditionalGeneration.from_pretrained(
                 self.model_path / AR_COMPONENT, dtype=self.torch_dtype

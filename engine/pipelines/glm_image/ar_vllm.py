@@ -7,7 +7,12 @@ from typing import Any
 
 import torch
 
-from engine.pipelines.glm_image.ar_transformers import AR_COMPONENT, PROCESSOR_COMPONENT, GlmImageARStage
+from engine.pipelines.glm_image.ar_transformers import (
+    AR_COMPONENT,
+    PROCESSOR_COMPONENT,
+    GlmImageARStage,
+    load_processor,
+)
 from engine.stages.ar_vllm import VllmARStage, VllmPrompt
 from engine.stages.base import StageJob
 
@@ -37,7 +42,7 @@ class VllmGlmImageARStage(VllmARStage):
 
         register()
         self.reference = GlmImageARStage(self.stage, self.model_path, self.device)
-        self.reference.processor = _load_processor(self.model_path / PROCESSOR_COMPONENT)
+        self.reference.processor = load_processor(self.model_path / PROCESSOR_COMPONENT)
         self.reference.model = _load_vision_encoder(self.vllm_model_path, self.torch_dtype, self.device)
         self.image_token_id = int(self.reference.model.config.image_token_id)
 
@@ -56,12 +61,6 @@ class VllmGlmImageARStage(VllmARStage):
             input_ids = input_ids.masked_scatter(placeholders, codes)
             grids = [[int(x) for x in g] for g in extras["prior_image_grid_thw"].tolist()]
         return VllmPrompt(input_ids.tolist(), prepared.max_new_tokens, extras, grids)
-
-
-def _load_processor(path: Path) -> Any:
-    from transformers import GlmImageProcessor
-
-    return GlmImageProcessor.from_pretrained(path)
 
 
 def _load_vision_encoder(path: Path, dtype: torch.dtype, device: torch.device) -> Any:
