@@ -15,8 +15,8 @@ from engine.config import DeployConfigError
 from engine.environment import quiet_libraries
 from engine.paths import default_data_dir
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
-from studio.errors import StartupError, UserError
-from studio.launch import tune_interpreter
+from studio.errors import StartupError, Terminated, UserError
+from studio.launch import stop_gracefully_on_sigterm, tune_interpreter
 from studio.limits import InputLimits
 from studio.settings import StudioSettings
 
@@ -751,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = COMMANDS.get(command, cmd_not_ready)
     quiet_libraries()
     tune_interpreter()
+    stop_gracefully_on_sigterm()
     try:
         return handler(args, settings_from_args(args))
     except UserError as exc:
@@ -759,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"omni-studio {command}: cannot start: {exc}", file=sys.stderr)
         return 1
+    except Terminated:
+        return 143  # 128 + SIGTERM, after the engine stopped and the recorder wrote what it had
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

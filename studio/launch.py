@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.environment import StartupCollection
-from studio.errors import StartupError
+from studio.errors import StartupError, Terminated
 from studio.settings import StudioSettings
 from studio.starting import ASGIApp, StartingApp
 
@@ -60,6 +61,26 @@ def tune_interpreter() -> None:
     API ~40-80 ms per tiny request here. Torch releases the GIL inside its kernels either way.
     """
     sys.setswitchinterval(0.001)
+
+
+SIGTERM_RECEIVED = threading.Event()  # also when something on the way out (Gradio) caught Terminated
+
+
+def stop_gracefully_on_sigterm() -> None:
+    """SIGTERM raises ``Terminated`` in the main thread (studio/errors.py) instead of killing the process.
+
+    Left at the default, SIGTERM ended ``serve`` before any cleanup: uvicorn stops its server on the
+    signal, then raises it again once done, and the default action killed the process before the
+    recorder had written the runs still queued (they came back "interrupted" at the next start).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        SIGTERM_RECEIVED.set()
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
 
 
 def prestart_stage_processes(settings: StudioSettings) -> None:
@@ -423,4 +444,6 @@ def _serve_ui(
             serving.jobs.close()
         demo.close()
         studio.close()
+    if SIGTERM_RECEIVED.is_set():  # Gradio's block_thread() takes it as Ctrl+C and returns
+        raise Terminated()
     return 0

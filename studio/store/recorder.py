@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -42,6 +43,9 @@ RETRIES = 4  # transient database errors (locked, connection dropped) are retrie
 RETRY_BASE_DELAY = 0.05
 RECOVERY_INTERVAL = 2.0  # seconds between tries to replay the journal while the database is flaky
 MAX_BATCH = 256  # queued writes committed together
+# Test-only: seconds the writer waits before each batch (a slow database), so that a test can stop a
+# server while writes are still queued and check they are not lost.
+WRITE_DELAY_ENV = "OMNI_STUDIO_TEST_WRITE_DELAY_S"
 MAX_INLINE_DATA_URL = 1024  # longer data: URLs in a request are replaced by a short description
 TEXT_MIME = "text/plain; charset=utf-8"
 
@@ -168,6 +172,7 @@ class RunRecorder:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self._configs: dict[int, tuple[PipelineConfig, dict[str, Any], str]] = {}
+        self._write_delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
         self._thread = threading.Thread(target=self._work, name="omni-run-recorder", daemon=True)
         self._thread.start()
         _open_recorders.add(self)
@@ -201,6 +206,8 @@ class RunRecorder:
     def _write_batch(self, tasks: list[_Task]) -> None:
         """One transaction for all of ``tasks``; if anything in it fails, each task again on its own, so
         one bad write costs only itself (and transient errors get their retries)."""
+        if tasks and self._write_delay > 0:  # test-only (see WRITE_DELAY_ENV)
+            time.sleep(self._write_delay)
         tasks = [task for task in tasks if self._prepare(task)]
         if len(tasks) > 1 and not self._db_down and not any(t.run_id in self._journaled_runs for t in tasks):
             try:
