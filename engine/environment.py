@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 
 def quiet_libraries() -> None:
     """Keep the terminal for our own progress: no library progress bars, warnings only when they matter."""
@@ -38,14 +40,11 @@ class StartupCollection:
     """
 
     def __init__(self, freeze: bool = False) -> None:
-        import gc
-
-        self._gc = gc
         self.freeze = freeze
         self.settled = False
 
     def __enter__(self) -> StartupCollection:
-        self._gc.disable()
+        gc.disable()
         return self
 
     def done(self) -> None:
@@ -53,8 +52,8 @@ class StartupCollection:
             return
         self.settled = True
         if self.freeze:
-            self._gc.freeze()
-        self._gc.enable()
+            gc.freeze()
+        gc.enable()
 
     def __exit__(self, *exc_info: object) -> None:
         self.done()

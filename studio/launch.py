@@ -301,27 +301,23 @@ def launch_ui(settings: StudioSettings) -> int:
     A loading page holds the port while the engine, Gradio and the UI load; then ``launch()`` takes it.
     """
     with StartupCollection(freeze=True) as startup:  # until the studio is up (engine/environment.py)
-        return _launch_ui(settings, startup)
-
-
-def _launch_ui(settings: StudioSettings, startup: StartupCollection) -> int:
-    model = settings.model or _default_model()
-    prestart_stage_processes(settings)
-    sock = listen(settings)
-    # With --share and no --api-key the key is generated later: nobody can send it while loading.
-    front = StartingApp(
-        model, page=True, api_key=settings.api_key, record=not settings.share or bool(settings.api_key)
-    )
-    starting = BackgroundServer(front, sock)
-    print(
-        f"Omni Studio on http://{settings.host}:{settings.port} — loading model {model} …",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
-        return _serve_ui(settings, starting.stop, front, startup)
-    finally:
-        starting.stop()  # a no-op once launch() has the port; frees it when loading failed
+        model = settings.model or _default_model()
+        prestart_stage_processes(settings)
+        sock = listen(settings)
+        # With --share and no --api-key the key is generated later: nobody can send it while loading.
+        front = StartingApp(
+            model, page=True, api_key=settings.api_key, record=not settings.share or bool(settings.api_key)
+        )
+        starting = BackgroundServer(front, sock)
+        print(
+            f"Omni Studio on http://{settings.host}:{settings.port} — loading model {model} …",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            return _serve_ui(settings, starting.stop, front, startup)
+        finally:
+            starting.stop()  # a no-op once launch() has the port; frees it when loading failed
 
 
 def _serve_ui(

@@ -104,7 +104,6 @@ def serve_stage(
     """The child's main: load the stage's runner (then call ``loaded``), then run what the parent sends
     until it says stop.
 
-
     Parent -> child: ``("start", stage, model, path, device, threads)`` first, then ``("run", call_id, [JobSpec])``, ``("cancel", [key])``, ``("stop",)``.
     Child -> parent: ``("ready", info)`` or ``("failed", error)`` once, then ``(call_id, message)``.
     """
