@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine.stages.decode_slabs import (
     ATTENTION_BUCKET,
     KVSlab,
+    RowPadding,
     bucket_length,
     rows_independent,
     slots_independent,
@@ -77,16 +78,20 @@ def test_attention_over_the_slab_equals_each_slot_alone() -> None:
     slots = torch.arange(5)
     positions = torch.tensor([r.length for r in s.rows])
     s.open(slots, positions)
-    q, k, v = (torch.randn(5, HEADS, HEAD_DIM, generator=generator) for _ in range(3))
+    q, k, v = (torch.randn(5, HEADS, 1, HEAD_DIM, generator=generator) for _ in range(3))
     together = s.attend(0, slots, positions, q, k, v, 0.3, prefix=True)
     gathered = s.attend(
         0, slots.flip(0), positions.flip(0), q.flip(0), k.flip(0), v.flip(0), 0.3, prefix=False
     )
+    one = int(slots[2])  # a single row passes plain ints
+    alone = s.attend(0, one, int(positions[2]), q[2:3], k[2:3], v[2:3], 0.3, prefix=False)
+    assert torch.equal(alone[0], together[2])
     for i in range(5):
         length = int(positions[i]) + 1
+        assert torch.equal(s.keys[0][i, :, length - 1], k[i, :, 0])  # the new key landed at its position
         exact = F.scaled_dot_product_attention(
-            q[i, :, None], s.keys[0][i : i + 1, :, :length], s.values[0][i : i + 1, :, :length], scale=0.3
-        )[0, :, 0]
+            q[i : i + 1], s.keys[0][i : i + 1, :, :length], s.values[0][i : i + 1, :, :length], scale=0.3
+        )[0]
         assert torch.allclose(together[i], exact, atol=1e-6)  # the masked tail adds nothing but rounding
         assert torch.equal(gathered[4 - i], together[i])
     assert slots_independent(s, HEADS, HEAD_DIM, 8)
@@ -98,3 +103,39 @@ def test_rows_independent_accepts_products_and_rejects_a_function_that_mixes_row
     assert not rows_independent(
         [(lambda x: x - x.mean(0), 32, torch.float32)], 8
     )  # a row sees its neighbours
+
+
+def test_prefix_views_follow_the_slab_when_it_grows() -> None:
+    s = slab()
+    generator = torch.Generator().manual_seed(2)
+
+    def add_row() -> None:
+        keys = [torch.randn(1, HEADS, 6, HEAD_DIM, generator=generator) for _ in range(LAYERS)]
+        values = [torch.randn(1, HEADS, 6, HEAD_DIM, generator=generator) for _ in range(LAYERS)]
+        s.add(keys, values, torch.zeros(1, ROTARY), torch.zeros(1, ROTARY))
+
+    def attend_first_two() -> torch.Tensor:
+        q = torch.ones(2, HEADS, 1, HEAD_DIM)
+        k, v = torch.zeros(2, HEADS, 1, HEAD_DIM), torch.full((2, HEADS, 1, HEAD_DIM), 5.0)
+        positions = torch.tensor([r.length for r in s.rows[:2]])
+        return s.attend(1, torch.arange(2), positions, q, k, v, 0.3, prefix=True)
+
+    add_row()
+    add_row()
+    before = attend_first_two()
+    for _ in range(4):  # past the initial slots: new tensors, the old views would read stale copies
+        add_row()
+    assert s.slots > 4
+    s.values[1][0, :, :6] = 100.0  # slot 0's cache changes in the grown slab
+    after = attend_first_two()
+    assert torch.equal(after[1], before[1]) and not torch.equal(after[0], before[0])
+
+
+def test_row_padding_copies_rows_into_a_kept_buffer() -> None:
+    pad = RowPadding()
+    first = pad(torch.ones(2, 3), 4)
+    assert first.shape == (4, 3) and torch.equal(first[:2], torch.ones(2, 3))
+    second = pad(torch.full((2, 3), 7.0), 4)
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second[:2], torch.full((2, 3), 7.0))
+    wide = torch.zeros(5, 3)
+    assert pad(wide, 4) is wide  # enough rows: no copy

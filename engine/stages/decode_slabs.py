@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,11 @@ class KVSlab:
     sin: torch.Tensor
     rows: list[SlabRow] = field(default_factory=list)
     per_slot: bool = False  # attention slot by slot (slots_independent failed for this shape)
+    # Views of slots 0..n-1 (every layer's keys and values, the mask) per n: a step reads the live rows
+    # through them without a slicing call per layer. Rebuilt when the slab grows (new tensors).
+    _prefix_views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def allocate(
@@ -106,6 +112,15 @@ class KVSlab:
         self.values = [doubled(t) for t in self.values]
         self.mask = doubled(self.mask, -math.inf)
         self.cos, self.sin = doubled(self.cos), doubled(self.sin)
+        self._prefix_views.clear()
+
+    def prefix(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Slots 0..n-1 of every layer's keys and values and of the mask, as views (built once per n)."""
+        views = self._prefix_views.get(n)
+        if views is None:
+            views = [t[:n] for t in self.keys], [t[:n] for t in self.values], self.mask[:n]
+            self._prefix_views[n] = views
+        return views
 
     def add(
         self, keys: list[torch.Tensor], values: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
@@ -154,20 +169,24 @@ class KVSlab:
         scale: float,
         prefix: bool,
     ) -> torch.Tensor:
-        """Write the rows' new key/value (each (n, heads, head_dim)) at their positions and attend with
-        their queries ((n, heads, head_dim)); returns (n, heads, head_dim). ``prefix``: the rows are slots
-        0..n-1 in order (the slab's live rows), read as views; else they are gathered."""
+        """Write the rows' new keys and values ((n, kv_heads, 1, head_dim)) at their positions and attend
+        with their queries ((n, heads, 1, head_dim)); returns (n, heads, 1, head_dim). ``prefix``: the rows
+        are slots 0..n-1 in order (the slab's live rows), read as views; else they are gathered. One row
+        passes plain ints (slices: cheaper calls, the same values)."""
         keys, values = self.keys[layer], self.values[layer]
-        one = isinstance(slots, int)
-        keys[slots, :, positions] = key[0] if one else key
-        values[slots, :, positions] = value[0] if one else value
-        q = query[:, :, None]
-        gqa = q.shape[1] != keys.shape[1]  # grouped-query attention: fewer key/value heads
-        picked = [slots] if isinstance(slots, int) else slots.tolist()
+        if isinstance(slots, int):
+            at = cast(int, positions)
+            keys[slots : slots + 1, :, at : at + 1] = key
+            values[slots : slots + 1, :, at : at + 1] = value
+        else:
+            keys[slots, :, positions] = key[:, :, 0]
+            values[slots, :, positions] = value[:, :, 0]
+        gqa = query.shape[1] != keys.shape[1]  # grouped-query attention: fewer key/value heads
         if self.per_slot:
+            picked = [slots] if isinstance(slots, int) else slots.tolist()
             outs = [
                 F.scaled_dot_product_attention(
-                    q[i : i + 1],
+                    query[i : i + 1],
                     keys[s : s + 1],
                     values[s : s + 1],
                     attn_mask=self.mask[s : s + 1],
@@ -176,16 +195,16 @@ class KVSlab:
                 )
                 for i, s in enumerate(picked)
             ]
-            return torch.cat(outs)[:, :, 0]
+            return torch.cat(outs)
         if prefix:
-            n = q.shape[0]
-            index: slice | torch.Tensor = slice(0, n)
-        else:
-            index = slice(picked[0], picked[0] + 1) if isinstance(slots, int) else slots
-        out = F.scaled_dot_product_attention(
-            q, keys[index], values[index], attn_mask=self.mask[index], scale=scale, enable_gqa=gqa
+            prefix_keys, prefix_values, mask = self.prefix(query.shape[0])
+            return F.scaled_dot_product_attention(
+                query, prefix_keys[layer], prefix_values[layer], attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
+        index = slice(slots, slots + 1) if isinstance(slots, int) else slots
+        return F.scaled_dot_product_attention(
+            query, keys[index], values[index], attn_mask=self.mask[index], scale=scale, enable_gqa=gqa
         )
-        return out[:, :, 0]
 
 
 def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -193,6 +212,28 @@ def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] >= rows:
         return x
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+class RowPadding:
+    """:func:`padded_rows` for a step's hot loop: one copy into a kept buffer instead of an allocation
+    and a concatenation. The rows past ``x``'s keep what earlier calls left there: harmless, since a
+    step only uses products whose rows are independent (:func:`rows_independent`). A returned buffer
+    is valid until the next call with the same shapes (a step consumes each at once)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        if x.shape[0] >= rows:
+            return x
+        key = (rows, tuple(x.shape), x.dtype, x.device)
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            whole = x.new_zeros(rows, *x.shape[1:])
+            buffers = whole, whole[: x.shape[0]]
+            self._buffers[key] = buffers
+        buffers[1].copy_(x)
+        return buffers[0]
 
 
 RowFunction = Callable[[torch.Tensor], torch.Tensor]

@@ -18,9 +18,9 @@ from engine.stages.base import StageJob
 from engine.stages.decode_slabs import (
     MIN_ROWS,
     KVSlab,
+    RowPadding,
     SlabRow,
     bucket_length,
-    padded_rows,
     rows_independent,
     slots_independent,
 )
@@ -33,12 +33,24 @@ PROCESSOR_COMPONENT = "processor"
 
 
 def _norm_of(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``norm``'s forward as a plain function of float32 rows (``F.rms_norm``: the same ops as
-    ``GlmImageRMSNorm``, bit-identical in float32) or, for other dtypes, :func:`_rms_norm`."""
+    """``norm``'s forward as a plain function of float32 rows (``torch.rms_norm``, what ``F.rms_norm``
+    calls: the same ops as ``GlmImageRMSNorm``, bit-identical in float32) or, for other dtypes,
+    :func:`_rms_norm`."""
     weight = norm.weight
     if weight.dtype == torch.float32:
-        return partial(F.rms_norm, normalized_shape=weight.shape, weight=weight, eps=norm.variance_epsilon)
+        shape, eps = list(weight.shape), norm.variance_epsilon
+        return lambda x: torch.rms_norm(x, shape, weight, eps)
     return partial(_rms_norm, norm)
+
+
+def _activation_of(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's activation as the kernel it calls (SiLU, whose module calls ``F.silu``: that function's
+    own kernel call, without the module's and the function's Python layers), else the module itself."""
+    kind = type(module)
+    silu = kind is torch.nn.SiLU or (
+        kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
+    )
+    return cast("Callable[[torch.Tensor], torch.Tensor]", torch._C._nn.silu if silu else module)
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,7 @@ class _LayerPlan:
             post_self_attn_norm=_norm_of(layer.post_self_attn_layernorm),
             post_attention_norm=_norm_of(layer.post_attention_layernorm),
             gate_up=(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
-            activation=mlp.activation_fn,
+            activation=_activation_of(mlp.activation_fn),
             down=(mlp.down_proj.weight, mlp.down_proj.bias),
             post_mlp_norm=_norm_of(layer.post_mlp_layernorm),
         )
@@ -117,6 +129,7 @@ class GlmImageDecoder:
         # weights without module lookups.
         self.layers = [_LayerPlan.of(layer) for layer in self.text.layers]
         self.final_norm = _norm_of(self.text.norm)
+        self.padding = RowPadding()
 
     _perm: torch.Tensor | None = None
 
@@ -231,18 +244,20 @@ class GlmImageDecoder:
             if row.slab is None or row.length >= row.slab.length:
                 raise RuntimeError("GLM-Image decode ran past its cache (or a released row was stepped)")
         # Rows grouped by slab, each group in slot order; ``order`` maps the step's rows to the caller's.
-        groups: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            groups.setdefault(id(row.slab), []).append(i)
-        order = [i for members in groups.values() for i in sorted(members, key=lambda i: rows[i].slot)]
-        identity = order == list(range(len(rows)))
-        if not identity:
-            tokens = tokens[torch.tensor(order, device=tokens.device)]
-            rows, steps = [rows[i] for i in order], [steps[i] for i in order]
+        identity = True
+        if len(rows) > 1:
+            groups: dict[int, list[int]] = {}
+            for i, row in enumerate(rows):
+                groups.setdefault(id(row.slab), []).append(i)
+            order = [i for members in groups.values() for i in sorted(members, key=lambda i: rows[i].slot)]
+            identity = order == list(range(len(rows)))
+            if not identity:
+                tokens = tokens[torch.tensor(order, device=tokens.device)]
+                rows, steps = [rows[i] for i in order], [steps[i] for i in order]
         batch = len(rows)
         device = tokens.device
         spans: list[tuple[KVSlab, int, int, torch.Tensor | int, torch.Tensor | int, bool]] = []
-        cos_parts, sin_parts = [], []
+        cos_parts, sin_parts = [], []  # each (rows, 1, 1, rotary)
         start = 0
         while start < batch:
             slab = cast(KVSlab, rows[start].slab)
@@ -254,46 +269,65 @@ class GlmImageDecoder:
             positions: torch.Tensor | int
             if len(members) == 1:  # plain ints: basic indexing, the same values with cheaper calls
                 slots, positions, at = members[0].slot, members[0].length, steps[start]
-                cos_parts.append(slab.cos[slots, at][None])
-                sin_parts.append(slab.sin[slots, at][None])
+                cos_parts.append(slab.cos[slots : slots + 1, at : at + 1, None])
+                sin_parts.append(slab.sin[slots : slots + 1, at : at + 1, None])
             else:
                 slots = torch.tensor([r.slot for r in members], device=device)
                 positions = torch.tensor([r.length for r in members], device=device)
                 index = torch.tensor(steps[start:end], device=device)
-                cos_parts.append(slab.cos[slots, index])
-                sin_parts.append(slab.sin[slots, index])
+                cos_parts.append(slab.cos[slots, index][:, None, None])
+                sin_parts.append(slab.sin[slots, index][:, None, None])
             prefix = len(members) == len(slab.rows)  # every live row, in slot order: slots 0..n-1
             slab.open(slots, positions)
             spans.append((slab, start, end, slots, positions, prefix))
             start = end
-        cos = (cos_parts[0] if len(cos_parts) == 1 else torch.cat(cos_parts))[:, None]  # (B, 1, rotary)
-        sin = (sin_parts[0] if len(sin_parts) == 1 else torch.cat(sin_parts))[:, None]
+        cos = cos_parts[0] if len(cos_parts) == 1 else torch.cat(cos_parts)
+        sin = sin_parts[0] if len(sin_parts) == 1 else torch.cat(sin_parts)
         rotary = cos.shape[-1]
         perm = self._rotate_half_index(rotary, device)
 
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for q and k: (B, 2H, D)
+        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for q and k: (B, 2H, 1, D)
             if rotary == x.shape[-1]:
                 return x * cos + x[..., perm] * sin
             x_rot = x[..., :rotary]
             return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
 
+        # Every product runs on ``width`` rows (the batch padded to MIN_ROWS; decode_slabs.py says why);
+        # the per-row work (rotation, attention) on the batch's rows only. Tensors are (rows, heads, 1,
+        # head_dim) from the qkv product on: the layout attention takes, without a reshape per call.
         width = max(batch, MIN_ROWS)
+        pad = self.padding
         text = self.text
         heads, kv_heads = text.config.num_attention_heads, text.config.num_key_value_heads
-        hidden = F.embedding(padded_rows(tokens, width), text.embed_tokens.weight)  # (width, D)
+        qkv_heads, qk_heads = heads + 2 * kv_heads, heads + kv_heads
+        (one_slab, first, last, one_slots, one_positions, one_prefix) = spans[0]
+        hidden = F.embedding(pad(tokens, width), text.embed_tokens.weight)  # (width, D)
         for layer_index, plan in enumerate(self.layers):
             residual = hidden
-            qkv = F.linear(plan.input_norm(hidden), *plan.qkv)[:batch].view(batch, heads + 2 * kv_heads, -1)
-            rotated = rotate(qkv[:, : heads + kv_heads])  # q and k heads together
-            query, key, value = rotated[:, :heads], rotated[:, heads:], qkv[:, heads + kv_heads :]
-            outputs = [
-                slab.attend(
-                    layer_index, slots, positions, query[a:b], key[a:b], value[a:b], plan.scaling, prefix
+            qkv = F.linear(plan.input_norm(hidden), *plan.qkv).view(width, qkv_heads, 1, -1)
+            qk, value = (qkv if batch == width else qkv[:batch]).split((qk_heads, kv_heads), dim=1)
+            query, key = rotate(qk).split((heads, kv_heads), dim=1)  # q and k heads rotated together
+            if len(spans) == 1:
+                attended = one_slab.attend(
+                    layer_index, one_slots, one_positions, query, key, value, plan.scaling, one_prefix
                 )
-                for slab, a, b, slots, positions, prefix in spans
-            ]
-            attended = (outputs[0] if len(outputs) == 1 else torch.cat(outputs)).reshape(batch, -1)
-            hidden = F.linear(padded_rows(attended, width), *plan.o_proj)
+            else:
+                attended = torch.cat(
+                    [
+                        slab.attend(
+                            layer_index,
+                            slots,
+                            positions,
+                            query[a:b],
+                            key[a:b],
+                            value[a:b],
+                            plan.scaling,
+                            prefix,
+                        )
+                        for slab, a, b, slots, positions, prefix in spans
+                    ]
+                )
+            hidden = F.linear(pad(attended.reshape(batch, -1), width), *plan.o_proj)
             hidden = residual + plan.post_self_attn_norm(hidden)
             residual = hidden
             gate, up = F.linear(plan.post_attention_norm(hidden), *plan.gate_up).chunk(2, dim=-1)
@@ -301,8 +335,10 @@ class GlmImageDecoder:
             hidden = residual + plan.post_mlp_norm(hidden)
         for row in rows:
             row.length += 1
-        logits = F.linear(self.final_norm(hidden), self.model.lm_head.weight, self.model.lm_head.bias)[:batch]
-        logits = logits.float()  # a view of this step's own product in float32 (no copy)
+        logits = F.linear(self.final_norm(hidden), self.model.lm_head.weight, self.model.lm_head.bias)
+        logits = logits[:batch] if batch < width else logits
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         if identity:
             return logits
         restored = torch.empty_like(logits)
