@@ -292,6 +292,19 @@ class GlmImageDecoder:
             x_rot = x[..., :rotary]
             return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
 
+        def attend(
+            layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+        ) -> torch.Tensor:
+            if len(spans) == 1:  # the usual step: one slab, no per-span slicing
+                slab, _, _, slots, positions, prefix = spans[0]
+                return slab.attend(layer, slots, positions, query, key, value, scale, prefix)
+            return torch.cat(
+                [
+                    slab.attend(layer, slots, positions, query[a:b], key[a:b], value[a:b], scale, prefix)
+                    for slab, a, b, slots, positions, prefix in spans
+                ]
+            )
+
         # Every product runs on ``width`` rows (the batch padded to MIN_ROWS; decode_slabs.py says why);
         # the per-row work (rotation, attention) on the batch's rows only. Tensors are (rows, heads, 1,
         # head_dim) from the qkv product on: the layout attention takes, without a reshape per call.
@@ -300,33 +313,13 @@ class GlmImageDecoder:
         text = self.text
         heads, kv_heads = text.config.num_attention_heads, text.config.num_key_value_heads
         qkv_heads, qk_heads = heads + 2 * kv_heads, heads + kv_heads
-        (one_slab, first, last, one_slots, one_positions, one_prefix) = spans[0]
         hidden = F.embedding(pad(tokens, width), text.embed_tokens.weight)  # (width, D)
         for layer_index, plan in enumerate(self.layers):
             residual = hidden
             qkv = F.linear(plan.input_norm(hidden), *plan.qkv).view(width, qkv_heads, 1, -1)
             qk, value = (qkv if batch == width else qkv[:batch]).split((qk_heads, kv_heads), dim=1)
             query, key = rotate(qk).split((heads, kv_heads), dim=1)  # q and k heads rotated together
-            if len(spans) == 1:
-                attended = one_slab.attend(
-                    layer_index, one_slots, one_positions, query, key, value, plan.scaling, one_prefix
-                )
-            else:
-                attended = torch.cat(
-                    [
-                        slab.attend(
-                            layer_index,
-                            slots,
-                            positions,
-                            query[a:b],
-                            key[a:b],
-                            value[a:b],
-                            plan.scaling,
-                            prefix,
-                        )
-                        for slab, a, b, slots, positions, prefix in spans
-                    ]
-                )
+            attended = attend(layer_index, query, key, value, plan.scaling)
             hidden = F.linear(pad(attended.reshape(batch, -1), width), *plan.o_proj)
             hidden = residual + plan.post_self_attn_norm(hidden)
             residual = hidden
