@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
 import statistics
 import sys
 import tempfile
@@ -24,6 +25,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.kernels import kernel_report  # noqa: E402
+from engine.stages.row_plan import REFUSE_ENV  # noqa: E402
 from tests.servers import running_server  # noqa: E402
 
 PROMPTS = [
@@ -53,6 +56,16 @@ def png_of(response: httpx.Response) -> bytes:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def machine() -> str:
+    """The CPU model and the flags that steer the kernels (docs/batching.md, "Which path ran where")."""
+    report = kernel_report()
+    refused = os.environ.get(REFUSE_ENV)
+    return (
+        f"{report['cpu']}; {report['cpu_flags']}; ATen {report['aten_capability']}; MKL {report['mkl']}"
+        + (f"; {REFUSE_ENV}={refused}" if refused else "")
+    )
 
 
 def main() -> None:
@@ -101,9 +114,16 @@ def main() -> None:
                 print(
                     f"  round {round_index + 1} concurrency {level:>2}: {count / wall:5.2f} req/s", flush=True
                 )
+        paths = [
+            line.split("{", 1)[1].split("}", 1)[0]
+            for line in client.get("/metrics").text.splitlines()
+            if line.startswith("omni_studio_decode_path{")
+        ]
 
     base = statistics.median(rates[args.levels[0]])
     print(f"\n{args.model}, {args.rounds} rounds, {args.per_client} requests per client per round")
+    print(f"machine: {machine()}")
+    print(f"decode path: {'; '.join(paths) or 'not reported'}")
     print(
         f"{'clients':>8} {'req/s median':>13} {'range':>14} {'x vs 1':>7} {'paired x (range)':>18} "
         f"{'p50 s':>7} {'p95 s':>7}"

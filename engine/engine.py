@@ -490,6 +490,10 @@ class OmniEngine:
     def queue_depths(self) -> dict[int, int]:
         return {sid: w.depth + w.active for sid, w in self.workers.items()}
 
+    def decode_paths(self) -> dict[int, str]:
+        """How each AR stage's decode batches on this machine, in words (stages that say)."""
+        return {sid: path for sid, runner in self.runners.items() if (path := runner.decode_path) is not None}
+
     def waiting_depths(self) -> dict[int, int]:
         """Jobs waiting (not yet running) per stage."""
         return {sid: w.depth for sid, w in self.workers.items()}
@@ -687,6 +691,7 @@ class OmniEngine:
                 input_tokens=job.input_tokens,
                 output_tokens=job.output_tokens,
                 batch_size=batch_size,
+                step_rows=int(job.scratch.get("step_rows", 0)),
             )
         )
         with self._lock:

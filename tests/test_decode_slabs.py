@@ -9,14 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.stages.decode_slabs import (
-    ATTENTION_BUCKET,
-    KVSlab,
-    RowPadding,
-    bucket_length,
-    rows_independent,
-    slots_independent,
-)
+from engine.stages.decode_slabs import ATTENTION_BUCKET, KVSlab, bucket_length, slots_independent
 
 LAYERS, HEADS, HEAD_DIM, ROTARY = 2, 3, 8, 8
 
@@ -97,14 +90,6 @@ def test_attention_over_the_slab_equals_each_slot_alone() -> None:
     assert slots_independent(s, HEADS, HEAD_DIM, 8)
 
 
-def test_rows_independent_accepts_products_and_rejects_a_function_that_mixes_rows() -> None:
-    weight, bias = torch.randn(48, 32), torch.randn(48)
-    assert rows_independent([(lambda x: F.linear(x, weight, bias), 32, torch.float32)], 8)
-    assert not rows_independent(
-        [(lambda x: x - x.mean(0), 32, torch.float32)], 8
-    )  # a row sees its neighbours
-
-
 def test_prefix_views_follow_the_slab_when_it_grows() -> None:
     s = slab()
     generator = torch.Generator().manual_seed(2)
@@ -129,13 +114,3 @@ def test_prefix_views_follow_the_slab_when_it_grows() -> None:
     s.values[1][0, :, :6] = 100.0  # slot 0's cache changes in the grown slab
     after = attend_first_two()
     assert torch.equal(after[1], before[1]) and not torch.equal(after[0], before[0])
-
-
-def test_row_padding_copies_rows_into_a_kept_buffer() -> None:
-    pad = RowPadding()
-    first = pad(torch.ones(2, 3), 4)
-    assert first.shape == (4, 3) and torch.equal(first[:2], torch.ones(2, 3))
-    second = pad(torch.full((2, 3), 7.0), 4)
-    assert second.data_ptr() == first.data_ptr() and torch.equal(second[:2], torch.full((2, 3), 7.0))
-    wide = torch.zeros(5, 3)
-    assert pad(wide, 4) is wide  # enough rows: no copy

@@ -6,7 +6,7 @@ deltas), every output payload it adds, and how it ended. Messages are tuples tag
 its call::
 
     ("event", i, event)  ("output", i, payload)  ("done", i, status, error, input_tokens, output_tokens,
-                                                 finish_reason, max_new_tokens, seconds)
+                                                 finish_reason, max_new_tokens, step_rows, seconds)
 
 The near side replays them on the engine's jobs (:func:`deliver`) exactly as the runner would have produced
 them in-process, so batching, routing, cancel and run records see no difference, and the outputs are the
@@ -120,6 +120,7 @@ def done_message(
         job.output_tokens,
         str(job.finish_reason),
         job.scratch.get("max_new_tokens"),
+        job.scratch.get("step_rows", 0),
         seconds,  # the far side's own time for the job
     )
 
@@ -136,11 +137,13 @@ def deliver(
     elif kind == "output":
         job.add_output(message[2])
     elif kind == "done":
-        _, _, status, error, input_tokens, output_tokens, finish_reason, max_new, _ = message
+        _, _, status, error, input_tokens, output_tokens, finish_reason, max_new, step_rows, _ = message
         job.input_tokens, job.output_tokens = int(input_tokens), int(output_tokens)
         job.finish_reason = FinishReason(finish_reason)
         if max_new is not None:
             job.scratch["max_new_tokens"] = max_new
+        if step_rows:
+            job.scratch["step_rows"] = int(step_rows)
         results[i] = (StageStatus(status), restore_error(error))
 
 

@@ -113,6 +113,10 @@ class FastDecoder(Protocol):
     def release(self, state: Any) -> None:
         """The row is done (finished, cancelled or failed): free what its state holds."""
 
+    @property
+    def decode_path(self) -> str:
+        """How ``step`` batches rows on this machine, in words (which kernel checks passed)."""
+
 
 @dataclass
 class _Row:
@@ -216,6 +220,13 @@ class TransformersARStage(StageRunner):
     def fast_decoder(self) -> FastDecoder | None:
         """The family's lean decode step, or None to always use ``generate`` (the default)."""
         return None
+
+    @property
+    def decode_path(self) -> str | None:
+        decoder = self.fast_decoder()
+        if decoder is None:
+            return "one request at a time (generate)" if self.model is not None else None
+        return decoder.decode_path
 
     @property
     def intra_op_threads(self) -> int | None:
@@ -324,6 +335,8 @@ class TransformersARStage(StageRunner):
                 )
                 for i, row in enumerate(live):
                     row.logits = logits[i : i + 1]
+                    scratch = row.job.scratch
+                    scratch["step_rows"] = max(scratch.get("step_rows", 0), len(live))
             return live
         except Exception as exc:  # a failing forward fails the rows in it, never the stage
             for row in rows:  # rows that already reported are skipped by _end_row

@@ -500,6 +500,10 @@ class VllmARStage(StageRunner):
     backend = "vllm"
     concurrent = True
 
+    @property
+    def decode_path(self) -> str:
+        return "continuous batching (vLLM)"
+
     _counter = itertools.count()
 
     def __init__(self, stage: ResolvedStage, model_path: Path, device: torch.device) -> None:

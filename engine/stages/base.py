@@ -124,6 +124,11 @@ class StageRunner(ABC):
         return self.stage.engine_args.batch_size
 
     @property
+    def decode_path(self) -> str | None:
+        """How this stage's decode batches, in words (AR stages; None for others)."""
+        return None
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         name = self.stage.engine_args.dtype_name
         return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)

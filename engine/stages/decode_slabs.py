@@ -1,21 +1,16 @@
-"""Batch-invariant pieces of a lean decode step: shared KV slabs and row-padded matrix products.
+"""Shared KV slabs: the attention of a batched decode step, one call per slab, each row its alone bits.
 
 A decode step that batches rows must give each row the float math it gets alone (docs/batching.md), and
 on the small models this runner serves, each torch call costs more than its arithmetic, so a step should
-make one call per operation for the whole batch, not one per row. Two properties of the CPU kernels make
-both possible; each is checked on the running machine before a decoder relies on it:
+make one call per operation for the whole batch, not one per row. The row-wise functions (products,
+norms, activations) do so on fixed tiles of rows (engine/stages/row_plan.py); attention does so here:
 
-- **Row-padded products.** A matrix product with at least :data:`MIN_ROWS` rows gives every row the same
-  bits whatever the row count and the row's position (measured: one row takes a matrix-vector kernel and
-  two or three rows another, from four rows on one kernel serves them all). A step therefore pads its
-  batch to ``MIN_ROWS`` rows, alone too, and makes one ``F.linear`` call per projection.
-  :func:`rows_independent` checks this (and the same for norms and activations); where it fails, rows
-  step one at a time.
-- **Slabbed attention.** ``scaled_dot_product_attention`` over a (slots, heads, length, head_dim) cache
-  computes each (slot, head) on its own. A row's attention length is its cache capacity rounded up to
+- ``scaled_dot_product_attention`` over a (slots, heads, length, head_dim) cache computes each
+  (slot, head) on its own. A row's attention length is its cache capacity rounded up to
   :data:`ATTENTION_BUCKET`, masked past the positions it has filled: a function of the row alone, so
   the rows with one bucket live in one :class:`KVSlab` and share one attention call per layer.
-  :func:`slots_independent` checks this per slab shape; where it fails, attention runs slot by slot.
+  :func:`slots_independent` checks this per slab shape on the running machine; where it fails,
+  attention runs slot by slot.
 
 The masked tail makes a row's logits differ from ``generate``'s in the last bits (the softmax sums over
 the bucket, not the exact length); token ids stay ``generate``'s (``tests/test_ar_decode.py``).
@@ -24,14 +19,12 @@ the bucket, not the exact length); token ids stay ``generate``'s (``tests/test_a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 
-MIN_ROWS = 4
 ATTENTION_BUCKET = 64
 _INITIAL_SLOTS = 4
 
@@ -205,57 +198,6 @@ class KVSlab:
         return F.scaled_dot_product_attention(
             query, keys[index], values[index], attn_mask=self.mask[index], scale=scale, enable_gqa=gqa
         )
-
-
-def padded_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` ((n, ...)) with zero rows appended up to ``rows``."""
-    if x.shape[0] >= rows:
-        return x
-    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
-
-
-class RowPadding:
-    """:func:`padded_rows` for a step's hot loop: one copy into a kept buffer instead of an allocation
-    and a concatenation. The rows past ``x``'s keep what earlier calls left there: harmless, since a
-    step only uses products whose rows are independent (:func:`rows_independent`). A returned buffer
-    is valid until the next call with the same shapes (a step consumes each at once)."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        if x.shape[0] >= rows:
-            return x
-        key = (rows, tuple(x.shape), x.dtype, x.device)
-        buffers = self._buffers.get(key)
-        if buffers is None:
-            whole = x.new_zeros(rows, *x.shape[1:])
-            buffers = whole, whole[: x.shape[0]]
-            self._buffers[key] = buffers
-        buffers[1].copy_(x)
-        return buffers[0]
-
-
-RowFunction = Callable[[torch.Tensor], torch.Tensor]
-
-
-def rows_independent(functions: list[tuple[RowFunction, int, torch.dtype]], max_rows: int) -> bool:
-    """Whether each row-wise function (``(fn, input width, dtype)``: (rows, width) -> (rows, ...)) gives
-    every row the bits it gets alone, padded to :data:`MIN_ROWS`, for any row count up to ``max_rows``
-    and at any position. A step's products, norms and activations are such functions; kernels pick their
-    code by row count (products) and by where a row falls in the vectorized loop (activations, and norms
-    past a few rows), so this is checked, not assumed."""
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    top = max(max_rows, MIN_ROWS)
-    for fn, width, dtype in functions:
-        count = top + MIN_ROWS
-        x = torch.randn(count, width, generator=generator).to(dtype)
-        alone = torch.cat([fn(padded_rows(x[i : i + 1], MIN_ROWS))[:1] for i in range(count)])
-        for rows in range(MIN_ROWS, top + 1):
-            for shift in range(MIN_ROWS):
-                if not torch.equal(fn(x[shift : shift + rows]), alone[shift : shift + rows]):
-                    return False
-    return True
 
 
 def slots_independent(slab: KVSlab, heads: int, head_dim: int, max_rows: int) -> bool:

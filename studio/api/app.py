@@ -523,7 +523,11 @@ async def _metrics(request: Request, state: ServingState) -> Response:
         body = state.metrics.render({}, 0)
     else:
         body = state.metrics.render(
-            engine.queue_depths(), engine.in_flight, engine.waiting_depths(), engine.queue_positions()
+            engine.queue_depths(),
+            engine.in_flight,
+            engine.waiting_depths(),
+            engine.queue_positions(),
+            engine.decode_paths(),
         )
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -73,6 +73,12 @@ class APIMetrics:
             ["request_id", "stage"],
             registry=self.registry,
         )
+        self.decode_path = Gauge(
+            "omni_studio_decode_path",
+            "How each AR stage's decode batches on this machine (1 for the path in use; docs/batching.md)",
+            ["stage", "path"],
+            registry=self.registry,
+        )
 
     def observe_stage(self, event: StageFinished) -> None:
         if event.status == "succeeded":
@@ -84,6 +90,7 @@ class APIMetrics:
         in_flight: int,
         waiting: dict[int, int] | None = None,
         positions: dict[str, dict[int, int]] | None = None,
+        decode_paths: dict[int, str] | None = None,
     ) -> bytes:
         for stage, depth in queue_depths.items():
             self.queue_depth.labels(str(stage)).set(depth)
@@ -94,4 +101,7 @@ class APIMetrics:
         for request_id, stages in (positions or {}).items():
             for stage, ahead in stages.items():
                 self.queue_position.labels(request_id, str(stage)).set(ahead)
+        self.decode_path.clear()  # the path can change (checks run at the first decode step; Apply)
+        for stage, path in (decode_paths or {}).items():
+            self.decode_path.labels(str(stage), path).set(1)
         return generate_latest(self.registry)

@@ -13,6 +13,7 @@ import gradio as gr
 import torch
 
 from engine.engine import engine_placement
+from engine.kernels import kernel_report
 from engine.tiny import BUILTIN_MODELS
 from studio.controller import Studio
 
@@ -74,6 +75,8 @@ def system_info(studio: Studio) -> dict[str, Any]:
             "cpu_cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "gpus": gpus or "none",
+            # What a picture's bytes depend on (docs/recipes.md, "Same picture on another machine").
+            "kernels": kernel_report(),
         },
         "memory": _memory(),
         "versions": {"python": platform.python_version(), **{p: v for p in PACKAGES if (v := _version(p))}},
@@ -92,6 +95,7 @@ def system_info(studio: Studio) -> dict[str, Any]:
                     "output": s.engine_output_type,
                     "batch_size": s.engine_args.batch_size,
                     "queue_depth": studio.engine.queue_depths().get(s.stage_id, 0),
+                    "decode": studio.engine.decode_paths().get(s.stage_id, "—"),
                     "runs_in": _runs_in(placement.get(s.stage_id), studio.engine.ray_address),
                     # On a Ray cluster (--ray-address): each replica's actor, node, pid and load; a stage
                     # with its own process (own_process: true): that process's pid and load.
@@ -115,6 +119,22 @@ def system_info(studio: Studio) -> dict[str, Any]:
             "run_store": getattr(studio.store, "url", None) if studio.store is not None else "disabled",
         },
     }
+
+
+def _kernel_pairs(kernels: dict[str, str]) -> list[tuple[str, object]]:
+    """The CPU rows of the Devices card: what the pictures' bytes depend on (docs/recipes.md)."""
+    if not kernels:
+        return []
+    return [
+        ("CPU", kernels["cpu"]),
+        ("vector class", f"{kernels['vector_class']} ({kernels['cpu_flags']})"),
+        ("kernels", f"ATen {kernels['aten_capability']}, MKL {kernels['mkl']}"),
+        (
+            "same pictures as",
+            f"machines of vector class {kernels['vector_class']} with torch {kernels['torch']} "
+            "(docs/recipes.md)",
+        ),
+    ]
 
 
 def _runs_in(placement: list[dict[str, Any]] | None, ray_address: str | None) -> str:
@@ -166,7 +186,11 @@ def system_html(info: dict[str, Any]) -> str:
     devices = info["devices"]
     gpus = devices["gpus"] if isinstance(devices["gpus"], list) else []
     device_body = _pairs(
-        [("CPU cores", devices["cpu_cores"]), ("torch threads", devices["torch_threads"])]
+        [
+            ("CPU cores", devices["cpu_cores"]),
+            ("torch threads", devices["torch_threads"]),
+            *_kernel_pairs(devices.get("kernels") or {}),
+        ]
     ) + (
         _table(
             ["GPU", "name", "memory total (GiB)", "memory free (GiB)"],
@@ -198,7 +222,7 @@ def system_html(info: dict[str, Any]) -> str:
         ]
     )
     stages = _table(
-        ["stage", "kind", "backend", "device", "runs in", "batch size", "queue depth", "output"],
+        ["stage", "kind", "backend", "device", "runs in", "batch size", "decode", "queue depth", "output"],
         [
             [
                 s["stage_id"],
@@ -207,6 +231,7 @@ def system_html(info: dict[str, Any]) -> str:
                 s["device"],
                 s["runs_in"],
                 s["batch_size"],
+                s["decode"],
                 s["queue_depth"],
                 s["output"],
             ]

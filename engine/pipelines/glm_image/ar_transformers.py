@@ -15,15 +15,8 @@ from PIL import Image
 from engine.processors import grid_layout
 from engine.stages.ar_transformers import ARInputs, FastDecoder, TransformersARStage
 from engine.stages.base import StageJob
-from engine.stages.decode_slabs import (
-    MIN_ROWS,
-    KVSlab,
-    RowPadding,
-    SlabRow,
-    bucket_length,
-    rows_independent,
-    slots_independent,
-)
+from engine.stages.decode_slabs import KVSlab, SlabRow, bucket_length, slots_independent
+from engine.stages.row_plan import RowPadding, RowPlan, RowWise, padded_length
 
 if TYPE_CHECKING:
     from transformers import BatchFeature, GlmImageProcessor
@@ -55,18 +48,19 @@ def _activation_of(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 @dataclass(frozen=True)
 class _LayerPlan:
-    """One text decoder layer's weights and norms as the step uses them (no module lookups per token)."""
+    """One text decoder layer's row-wise functions as the step calls them (no module lookups per token;
+    engine/stages/row_plan.py runs each on fixed tiles of rows)."""
 
-    input_norm: Callable[[torch.Tensor], torch.Tensor]
-    qkv: tuple[torch.Tensor, torch.Tensor | None]  # q, k and v concatenated: one product
+    input_norm: RowWise
+    qkv: RowWise  # q, k and v concatenated: one product
     scaling: float
-    o_proj: tuple[torch.Tensor, torch.Tensor | None]
-    post_self_attn_norm: Callable[[torch.Tensor], torch.Tensor]
-    post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: tuple[torch.Tensor, torch.Tensor | None]
-    activation: Callable[[torch.Tensor], torch.Tensor]
-    down: tuple[torch.Tensor, torch.Tensor | None]
-    post_mlp_norm: Callable[[torch.Tensor], torch.Tensor]
+    o_proj: RowWise
+    post_self_attn_norm: RowWise
+    post_attention_norm: RowWise
+    gate_up: RowWise
+    activation: RowWise  # (rows, 2 x intermediate) -> (rows, intermediate): up * act(gate)
+    down: RowWise
+    post_mlp_norm: RowWise
 
     @classmethod
     def of(cls, layer: Any) -> _LayerPlan:
@@ -74,18 +68,42 @@ class _LayerPlan:
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
         biases = [p.bias for p in projections]
         qkv_bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
+        width = attn.o_proj.weight.shape[0]
+        act = _activation_of(mlp.activation_fn)
+
+        def activation(x: torch.Tensor) -> torch.Tensor:
+            gate, up = x.chunk(2, dim=-1)
+            return up * act(gate)
+
+        def norm(name: str, module: Any) -> RowWise:
+            return RowWise(name, _norm_of(module), width, module.weight.dtype)
+
+        gate_up = mlp.gate_up_proj
         return cls(
-            input_norm=_norm_of(layer.input_layernorm),
-            qkv=(torch.cat([p.weight for p in projections]), qkv_bias),
+            input_norm=norm("input_norm", layer.input_layernorm),
+            qkv=RowWise.product("qkv", torch.cat([p.weight for p in projections]), qkv_bias),
             scaling=attn.scaling,
-            o_proj=(attn.o_proj.weight, attn.o_proj.bias),
-            post_self_attn_norm=_norm_of(layer.post_self_attn_layernorm),
-            post_attention_norm=_norm_of(layer.post_attention_layernorm),
-            gate_up=(mlp.gate_up_proj.weight, mlp.gate_up_proj.bias),
-            activation=_activation_of(mlp.activation_fn),
-            down=(mlp.down_proj.weight, mlp.down_proj.bias),
-            post_mlp_norm=_norm_of(layer.post_mlp_layernorm),
+            o_proj=RowWise.product("o_proj", attn.o_proj.weight, attn.o_proj.bias),
+            post_self_attn_norm=norm("post_self_attn_norm", layer.post_self_attn_layernorm),
+            post_attention_norm=norm("post_attention_norm", layer.post_attention_layernorm),
+            gate_up=RowWise.product("gate_up", gate_up.weight, gate_up.bias),
+            activation=RowWise("activation", activation, gate_up.weight.shape[0], gate_up.weight.dtype),
+            down=RowWise.product("down", mlp.down_proj.weight, mlp.down_proj.bias),
+            post_mlp_norm=norm("post_mlp_norm", layer.post_mlp_layernorm),
         )
+
+    def functions(self) -> list[RowWise]:
+        return [
+            self.input_norm,
+            self.qkv,
+            self.o_proj,
+            self.post_self_attn_norm,
+            self.post_attention_norm,
+            self.gate_up,
+            self.activation,
+            self.down,
+            self.post_mlp_norm,
+        ]
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +122,10 @@ class GlmImageDecoder:
     Prefill is the model's own forward (it computes the M-RoPE positions of the prompt and of every token
     still to come, from the ``<sop>h w<eop>`` grids); its cache moves into a :class:`KVSlab` slot and the
     rotary tables of every position to come are computed once. Decoding then runs the text decoder's layers
-    with plain functional calls, one call per operation for the whole batch: the rows padded to
-    ``MIN_ROWS`` rows, attention once per slab over the slab's live rows (engine/stages/decode_slabs.py says
-    why each row still gets exactly its alone bits; where the machine's kernels fail that check, rows
-    step one at a time). This mirrors ``GlmImageTextDecoderLayer.forward``
+    with plain functional calls, one call per operation for the whole batch: the row-wise functions on
+    fixed tiles of rows (engine/stages/row_plan.py, with guarded fallbacks where the machine's kernels
+    fail their check), attention once per slab over the slab's live rows (engine/stages/decode_slabs.py);
+    each row still gets exactly its alone bits. This mirrors ``GlmImageTextDecoderLayer.forward``
     op for op; ``tests/test_ar_decode.py`` checks the ids against ``generate`` and
     ``tests/test_batch_invariance.py`` alone against batched.
     """
@@ -123,12 +141,15 @@ class GlmImageDecoder:
             and not model.training
         )
         self.slabs: dict[int, KVSlab] = {}
-        self._independent: bool | None = None  # rows_independent, checked on the decode thread (its kernels)
+        # How the row-wise functions run on this machine: chosen by checks on the decode thread (its
+        # thread count picks kernels) at the first step.
+        self.row_plan: RowPlan | None = None
         self._slots_checked: dict[tuple[int, int, int], bool] = {}  # slots_independent per cache shape
-        # Per layer: q, k and v in one product (rows_independent checks the fused shape too), norms and
-        # weights without module lookups.
+        # Per layer: q, k and v in one product, norms and weights without module lookups.
         self.layers = [_LayerPlan.of(layer) for layer in self.text.layers]
-        self.final_norm = _norm_of(self.text.norm)
+        norm = self.text.norm
+        self.final_norm = RowWise("final_norm", _norm_of(norm), config.hidden_size, norm.weight.dtype)
+        self.lm_head = RowWise.product("lm_head", model.lm_head.weight, model.lm_head.bias)
         self.padding = RowPadding()
 
     _perm: torch.Tensor | None = None
@@ -149,32 +170,26 @@ class GlmImageDecoder:
             and (mask is None or bool(mask.all()))
         )
 
-    def _row_functions(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int, torch.dtype]]:
-        """What a step computes row by row, for ``rows_independent`` (layer 0 stands for every layer:
-        the same shapes)."""
-        plan = self.layers[0]
-        dtype = plan.o_proj[0].dtype
-
-        def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
-            return (lambda x: F.linear(x, weight, bias)), weight.shape[1], dtype
-
-        def activation(x: torch.Tensor) -> torch.Tensor:
-            gate, up = x.chunk(2, dim=-1)
-            return up * plan.activation(gate)
-
-        width = self.text.config.hidden_size
-        return [
-            *(product(*weights) for weights in (plan.qkv, plan.o_proj, plan.gate_up, plan.down)),
-            product(self.model.lm_head.weight, self.model.lm_head.bias),
-            (plan.input_norm, width, dtype),
-            (activation, plan.gate_up[0].shape[0], dtype),
-        ]
+    def plan_rows(self) -> RowPlan:
+        """The row plan, chosen on first use by checks of layer 0's functions (every layer has the same
+        shapes), the final norm and the LM head, then given to every layer."""
+        if self.row_plan is None:
+            first, *rest = self.layers
+            plan = RowPlan.choose([*first.functions(), self.final_norm, self.lm_head], self.max_rows)
+            for layer in rest:
+                plan.apply(layer.functions())
+            self.row_plan = plan
+        return self.row_plan
 
     @property
-    def independent_rows(self) -> bool:
-        if self._independent is None:
-            self._independent = rows_independent(self._row_functions(), self.max_rows)
-        return self._independent
+    def decode_path(self) -> str:
+        """How a step batches on this machine, in words (the System tab, ``/metrics``)."""
+        if self.row_plan is None:
+            return "batched (its kernel checks run at the first decode step)"
+        text = self.row_plan.describe()
+        if any(not ok for ok in self._slots_checked.values()):
+            text += "; attention slot by slot"
+        return text
 
     def _slab(self, length: int, rotary: int, like: torch.Tensor) -> KVSlab:
         slab = self.slabs.get(length)
@@ -230,15 +245,7 @@ class GlmImageDecoder:
             self.slabs.pop(slab.length, None)
 
     def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
-        if (
-            len(states) > 1 and not self.independent_rows
-        ):  # rows are not independent on this machine: one by one
-            return torch.cat(
-                [self._step([state], tokens[i : i + 1], [steps[i]]) for i, state in enumerate(states)]
-            )
-        return self._step(states, tokens, steps)
-
-    def _step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        tile = self.plan_rows().tile
         rows = cast("list[SlabRow]", states)
         for row in rows:
             if row.slab is None or row.length >= row.slab.length:
@@ -305,10 +312,11 @@ class GlmImageDecoder:
                 ]
             )
 
-        # Every product runs on ``width`` rows (the batch padded to MIN_ROWS; decode_slabs.py says why);
-        # the per-row work (rotation, attention) on the batch's rows only. Tensors are (rows, heads, 1,
-        # head_dim) from the qkv product on: the layout attention takes, without a reshape per call.
-        width = max(batch, MIN_ROWS)
+        # Every row-wise function runs on ``width`` rows: the batch padded to whole tiles of the row plan
+        # (row_plan.py says why); the per-row work (rotation, attention) on the batch's rows only. Tensors
+        # are (rows, heads, 1, head_dim) from the qkv product on: the layout attention takes, without a
+        # reshape per call.
+        width = padded_length(batch, tile)
         pad = self.padding
         text = self.text
         heads, kv_heads = text.config.num_attention_heads, text.config.num_key_value_heads
@@ -316,19 +324,19 @@ class GlmImageDecoder:
         hidden = F.embedding(pad(tokens, width), text.embed_tokens.weight)  # (width, D)
         for layer_index, plan in enumerate(self.layers):
             residual = hidden
-            qkv = F.linear(plan.input_norm(hidden), *plan.qkv).view(width, qkv_heads, 1, -1)
+            qkv = plan.qkv(plan.input_norm(hidden, batch), batch).view(width, qkv_heads, 1, -1)
             qk, value = (qkv if batch == width else qkv[:batch]).split((qk_heads, kv_heads), dim=1)
             query, key = rotate(qk).split((heads, kv_heads), dim=1)  # q and k heads rotated together
             attended = attend(layer_index, query, key, value, plan.scaling)
-            hidden = F.linear(pad(attended.reshape(batch, -1), width), *plan.o_proj)
-            hidden = residual + plan.post_self_attn_norm(hidden)
+            hidden = plan.o_proj(pad(attended.reshape(batch, -1), width), batch)
+            hidden = residual + plan.post_self_attn_norm(hidden, batch)
             residual = hidden
-            gate, up = F.linear(plan.post_attention_norm(hidden), *plan.gate_up).chunk(2, dim=-1)
-            hidden = F.linear(up * plan.activation(gate), *plan.down)
-            hidden = residual + plan.post_mlp_norm(hidden)
+            gate_up = plan.gate_up(plan.post_attention_norm(hidden, batch), batch)
+            hidden = plan.down(plan.activation(gate_up, batch), batch)
+            hidden = residual + plan.post_mlp_norm(hidden, batch)
         for row in rows:
             row.length += 1
-        logits = F.linear(self.final_norm(hidden), self.model.lm_head.weight, self.model.lm_head.bias)
+        logits = self.lm_head(self.final_norm(hidden, batch), batch)
         logits = logits[:batch] if batch < width else logits
         if logits.dtype != torch.float32:
             logits = logits.float()
