@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import threading
 
 import pytest
@@ -195,6 +196,10 @@ def test_metrics_report_requests_stages_and_queue(client):
     assert 'omni_studio_stage_seconds_count{kind="diffusion",stage="1"}' in text
     assert 'omni_studio_queue_depth{stage="0"}' in text
     assert "omni_studio_request_latency_seconds_bucket" in text
+    # How stage 0 batches on this machine (docs/batching.md): chosen by its checks at the first step.
+    assert re.search(
+        r'omni_studio_decode_path\{path="batched, tiles of (4|8|16) rows[^"]*",stage="0"\} 1\.0', text
+    )
 
 
 def test_concurrent_requests_through_http(client):

@@ -116,6 +116,12 @@ def test_system_info_endpoint(client):
     info = client.predict(api_name="/system_info")
     assert info["running"]["model"] == "tiny-glm-image"
     assert "torch" in info["versions"] and info["devices"]["cpu_cores"] >= 1
+    # What a picture's bytes depend on (docs/recipes.md) and how stage 0 batches (docs/batching.md).
+    kernels = info["devices"]["kernels"]
+    assert kernels["vector_class"] in ("avx512", "avx2", "x86-64", "aarch64") and kernels["aten_capability"]
+    assert info["running"]["stages"][0]["decode"].startswith(
+        ("batched", "continuous batching", "one request")
+    )
 
 
 def test_export_then_import_through_the_history_endpoints(client, studio):
