@@ -14,15 +14,20 @@ import platform
 from pathlib import Path
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where it cannot be read)."""
+def _cpuinfo(*keys: str) -> str:
+    """The first /proc/cpuinfo value whose name starts with one of ``keys`` ("" where unknown)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
+            if line.startswith(keys):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty where it cannot be read)."""
+    return frozenset(_cpuinfo("flags", "Features").split())
 
 
 def vector_class(flags: frozenset[str] | None = None) -> str:
@@ -40,13 +45,7 @@ def vector_class(flags: frozenset[str] | None = None) -> str:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def kernel_report() -> dict[str, str]:
@@ -68,10 +67,5 @@ def kernel_report() -> dict[str, str]:
 
 
 def cpu_vendor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    """The CPU vendor (GenuineIntel, AuthenticAMD; empty where unknown): MKL takes other code on each."""
+    return _cpuinfo("vendor_id")
