@@ -11,17 +11,24 @@ shows this report so two colleagues can compare their machines.
 from __future__ import annotations
 
 import platform
+from functools import cache
 from pathlib import Path
+
+
+@cache
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """/proc/cpuinfo, read once (empty where it cannot be read)."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return ()
 
 
 def _cpuinfo(*keys: str) -> str:
     """The first /proc/cpuinfo value whose name starts with one of ``keys`` ("" where unknown)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(keys):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in _cpuinfo_lines():
+        if line.startswith(keys):
+            return line.split(":", 1)[1].strip()
     return ""
 
 
@@ -52,16 +59,14 @@ def kernel_report() -> dict[str, str]:
     """The CPU and the code paths the libraries take on it (torch must be importable)."""
     import torch
 
-    flags = cpu_flags()
+    flags, vendor = cpu_flags(), cpu_vendor()
     shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
     return {
         "cpu": cpu_model(),
         "vector_class": vector_class(flags),
         "cpu_flags": " ".join(shown) or "none of avx2, avx512f, amx",
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
-        "mkl": "Intel CPU path"
-        if "GenuineIntel" in cpu_vendor()
-        else f"{cpu_vendor() or 'non-Intel'} CPU path",
+        "mkl": "Intel CPU path" if vendor == "GenuineIntel" else f"{vendor or 'non-Intel'} CPU path",
         "torch": torch.__version__,
     }
 

@@ -32,6 +32,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -117,7 +118,7 @@ class RowWise:
     def product(cls, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> RowWise:
         return cls(
             name,
-            lambda x: F.linear(x, weight, bias),
+            partial(F.linear, weight=weight, bias=bias),
             weight.shape[1],
             weight.dtype,
             weight=weight,
@@ -225,12 +226,14 @@ class RowPlan:
                 mode = RowMode.SINGLE_ROW_BATCH
             else:
                 mode = RowMode.ROW_BY_ROW
-            f.tile, f.mode = tile, mode
             modes[f.name] = mode
-        return cls(tile, modes)
+        plan = cls(tile, modes)
+        plan.apply(functions)
+        return plan
 
     def apply(self, functions: Sequence[RowWise]) -> None:
-        """Give other functions of the same shapes (every layer past the checked one) this plan."""
+        """Set each function's tile and mode (also for functions of the same shapes that the checks
+        stood for: every layer past the checked one)."""
         for f in functions:
             f.tile, f.mode = self.tile, self.modes[f.name]
 

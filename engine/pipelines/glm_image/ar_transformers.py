@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -93,17 +93,8 @@ class _LayerPlan:
         )
 
     def functions(self) -> list[RowWise]:
-        return [
-            self.input_norm,
-            self.qkv,
-            self.o_proj,
-            self.post_self_attn_norm,
-            self.post_attention_norm,
-            self.gate_up,
-            self.activation,
-            self.down,
-            self.post_mlp_norm,
-        ]
+        """The layer's row-wise functions, in field order."""
+        return [value for f in fields(self) if isinstance(value := getattr(self, f.name), RowWise)]
 
 
 def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
