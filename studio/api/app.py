@@ -27,7 +27,7 @@ from engine import OmniEngine
 from engine.events import EngineEvent, StageFinished
 from studio.api.auth import (
     TooManyFailures,
-    client_address,
+    credential_client,
     limiter_for,
     secrets_equal,
     ui_login_configured,
@@ -225,24 +225,22 @@ class ServingState:
         return handlers
 
     def check_api_key(self, request: Request) -> None:
-        """401 without the right key (when one is set); 429 for an address with too many wrong keys.
-
-        Wrong keys (not missing ones) count towards the per-address limit, with the UI's failed logins
-        (see studio/api/auth.py and README, "--share").
-        """
+        """401 without the right key (when one is set); 429 for a wrong key that failed too often from
+        this address. Failures count per (address, presented key), so the right key always works at
+        once (studio/api/auth.py, README "The API")."""
         key = self.options.api_key
         if not key:
             return
-        limiter = limiter_for(self)
-        client = client_address(request.scope)
-        wait = limiter.retry_after(client)
-        if wait is not None:
-            raise TooManyFailures(wait)
         header = request.headers.get("authorization", "")
         if not header:
             raise APIError(
                 401, "Missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key"
             )
+        limiter = limiter_for(self)
+        client = credential_client(request.scope, header)
+        wait = limiter.retry_after(client)
+        if wait is not None:
+            raise TooManyFailures(wait)
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not secrets_equal(token.strip(), key):
             limiter.record_failure(client)

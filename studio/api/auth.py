@@ -2,21 +2,27 @@
 
 - :func:`secrets_equal` compares an API key or password without leaking, through timing, how much of it
   was right.
-- :class:`FailedLoginLimiter`: 5 failed API keys or UI logins within a minute from one client address
-  block that address (429 with ``Retry-After``) for a minute; successful requests do not count. One
-  limiter per serving state (:func:`limiter_for`) counts both the ``/v1`` keys and the UI's ``/login``.
+- :class:`FailedLoginLimiter`: 5 failures of one presented credential (an API key, a UI login's user and
+  password) within a minute from one client address block that pair (429 with ``Retry-After``) for a
+  minute, twice as long each time it is blocked again (up to an hour). The pair, not the address: behind
+  a reverse proxy or the share tunnel every user arrives from one address, and a stranger's wrong keys
+  must not lock out the right one, which works at once whatever others sent (:func:`credential_client`).
+  One limiter per serving state (:func:`limiter_for`) counts both the ``/v1`` keys and the UI's
+  ``/login``.
 - :func:`ui_session_user` asks Gradio's own login check (its ``/user`` route) who the request's login
   cookie belongs to, so ``/metrics`` can accept a UI session as well as the API key.
 - :func:`guard_gradio_login` wraps Gradio's ``POST /login`` so its failures are counted and a blocked
   address is refused before Gradio checks the password.
 
-The client address is the TCP peer's: ``X-Forwarded-For`` is not trusted (anyone can send it). Behind
-the ``--share`` tunnel every remote client has the tunnel's address, so failures there block the link as a
-whole for a minute (a brute force is stopped either way; local clients are unaffected).
+The client address is the TCP peer's: ``X-Forwarded-For`` is not trusted (anyone can send it). A guess of
+another credential is a new pair, so the limiter slows repeating one wrong key or password (a typo, a
+stale key in a script), not a search through many: that is what the keys' length is for (generated keys
+and share logins are random, 128 bits and more).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import inspect
 import math
@@ -26,6 +32,7 @@ import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -37,6 +44,7 @@ from studio.api.errors import APIError
 MAX_FAILURES = 5
 WINDOW_S = 60.0
 BLOCK_S = 60.0
+MAX_BLOCK_S = 3600.0  # repeated blocks of one pair double up to this
 MAX_CLIENTS = 10_000  # addresses tracked at once (memory bound); the oldest are forgotten first
 
 
@@ -46,15 +54,17 @@ def secrets_equal(given: str, expected: str) -> bool:
 
 
 class _Client:
-    __slots__ = ("failures", "blocked_until")
+    __slots__ = ("failures", "blocked_until", "blocks")
 
     def __init__(self, max_failures: int) -> None:
         self.failures: deque[float] = deque(maxlen=max_failures)
         self.blocked_until = 0.0
+        self.blocks = 0  # how often this pair has been blocked: each block lasts twice the last
 
 
 class FailedLoginLimiter:
-    """Failed authentications per client address; thread-safe, bounded memory, injectable clock."""
+    """Failed authentications per client (an address and a presented credential:
+    :func:`credential_client`); thread-safe, bounded memory, injectable clock."""
 
     def __init__(
         self,
@@ -102,8 +112,10 @@ class FailedLoginLimiter:
             if len(entry.failures) < self.max_failures:
                 return None
             entry.failures.clear()
-            entry.blocked_until = now + self.block_s
-            return math.ceil(self.block_s)
+            block = min(MAX_BLOCK_S, self.block_s * 2**entry.blocks)
+            entry.blocks += 1
+            entry.blocked_until = now + block
+            return math.ceil(block)
 
     def _make_room(self, now: float) -> None:
         if len(self._clients) < self.max_clients:
@@ -136,13 +148,21 @@ def client_address(scope: Scope) -> str:
     return str(client[0]) if client else "unknown"
 
 
+def credential_client(scope: Scope, credential: str) -> str:
+    """What the failed-login limiter counts: the request's address and the credential it presented
+    (hashed: the limiter never holds a key or password)."""
+    digest = hashlib.sha256(credential.encode(errors="replace")).hexdigest()[:16]
+    return f"{client_address(scope)}|{digest}"
+
+
 class TooManyFailures(APIError):
-    """429 for a blocked address, with ``Retry-After``; never recorded as a run."""
+    """429 for a blocked (address, credential) pair, with ``Retry-After``; never recorded as a run."""
 
     def __init__(self, retry_after: int) -> None:
         super().__init__(
             429,
-            f"Too many failed authentication attempts from this address; retry in {retry_after} s",
+            f"This key failed too often from this address; retry in {retry_after} s (other keys, the "
+            "right one included, are not affected)",
             None,
             "too_many_failed_logins",
         )
@@ -179,18 +199,33 @@ async def ui_session_user(request: Request) -> str | None:
 
 
 class _LoginGuard:
-    """Gradio's ``POST /login`` behind the limiter: blocked addresses get 429, 400s are counted."""
+    """Gradio's ``POST /login`` behind the limiter: a blocked (address, user and password) pair gets 429,
+    400s are counted against the pair."""
 
     def __init__(self, app: ASGIApp, limiter: FailedLoginLimiter) -> None:
         self.app = app
         self.limiter = limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        client = client_address(scope)
+        messages: list[Message] = []  # the form, read here to name the pair, then handed on unchanged
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+        body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+        form = parse_qs(body.decode("latin-1"))
+        user, password = (form.get(name, [""])[0] for name in ("username", "password"))
+        client = credential_client(scope, f"{user}\0{password}")
+        replay = iter(messages)
+
+        async def replayed() -> Message:
+            return next(replay, None) or await receive()
+
         wait = self.limiter.retry_after(client)
         if wait is not None:
             response = JSONResponse(
-                {"detail": f"Too many failed logins from this address; retry in {wait} s"},
+                {"detail": f"This login failed too often from this address; retry in {wait} s"},
                 status_code=429,
                 headers={"Retry-After": str(wait)},
             )
@@ -203,7 +238,7 @@ class _LoginGuard:
             await send(message)
 
         try:
-            await self.app(scope, receive, watch)
+            await self.app(scope, replayed, watch)
         except HTTPException as exc:  # raised past the route when no handler answers inside it
             if exc.status_code == 400:
                 self.limiter.record_failure(client)
