@@ -30,6 +30,7 @@ from engine.config import (
     DevicePlacement,
     PipelineConfig,
     ResolvedStage,
+    StageConfig,
     parse_deploy_config,
     parse_deploy_file,
     parse_deploy_yaml_text,
@@ -49,7 +50,14 @@ from engine.events import (
     StageStatus,
 )
 from engine.modality import OutputAccumulator, OutputModality, parse_output_modalities
-from engine.models import ModelCard, ModelSource, describe_model, materialize, model_card
+from engine.models import (
+    ModelCard,
+    ModelSource,
+    describe_model,
+    materialize,
+    model_card,
+    model_sampling_defaults,
+)
 from engine.paths import default_data_dir, model_cache_dir
 from engine.processors import INPUT_PROCESSORS
 from engine.request import GenerationRequest, RequestError, ResolvedRequest
@@ -130,6 +138,35 @@ def build_pipeline_config(
     return _resolve_for(source, deploy, problems, label, ar_backend)
 
 
+def with_model_defaults(source: ModelSource, deploy: DeployConfig | None) -> DeployConfig | None:
+    """``deploy`` with the model's own sampling defaults (its card, then its preset:
+    :func:`engine.models.model_sampling_defaults`) under every value it leaves out, per stage, so a
+    partial deploy config never falls back to a family-wide default the model cannot draw."""
+    defaults = model_sampling_defaults(source)
+    if not defaults or (deploy is not None and "stages" in deploy.model_fields_set and not deploy.stages):
+        return deploy  # an empty stage list is the user's mistake to hear about, not to fill in
+    deploy = deploy or DeployConfig()
+    kinds = {t.stage_id: t.kind for t in source.family.templates}
+    stages = []
+    for stage in deploy.stages:
+        extra = defaults.get(stage.stage_id)
+        own = stage.default_sampling_params
+        if (
+            extra
+            and (own is None or isinstance(own, dict))
+            and stage.kind in (None, kinds.get(stage.stage_id))
+        ):
+            stage = stage.model_copy(update={"default_sampling_params": {**extra, **(own or {})}})
+        stages.append(stage)
+    listed = {stage.stage_id for stage in deploy.stages}
+    stages += [
+        StageConfig.model_validate({"stage_id": sid, "default_sampling_params": dict(params)})
+        for sid, params in sorted(defaults.items())
+        if sid not in listed and sid in kinds
+    ]
+    return deploy.model_copy(update={"stages": stages})
+
+
 def _resolve_for(
     source: ModelSource,
     deploy: DeployConfig | None,
@@ -138,7 +175,7 @@ def _resolve_for(
     ar_backend: str | None,
 ) -> PipelineConfig:
     config = resolve_pipeline_config(
-        deploy,
+        with_model_defaults(source, deploy),
         source.family.name,
         source.family.templates,
         source.name,
@@ -184,7 +221,7 @@ class _Variant:
     done: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # one queued job is itself, whatever its fields (queue membership tests)
 class _Ticket:
     """A queued job with what the engine needs to route its result."""
 
@@ -193,6 +230,11 @@ class _Ticket:
     variant: _Variant
     stage: ResolvedStage
     enqueued_at: float
+
+    @property
+    def client(self) -> str:
+        """Whom the job is served for in the stage queue's round-robin (its request, when anonymous)."""
+        return self.handle.resolved.request.client or f"request:{self.handle.request_id}"
 
 
 class RequestHandle:
@@ -229,6 +271,10 @@ class _StageWorker:
         self.runner = runner
         self.engine = engine
         self.queue: list[_Ticket] = []
+        # Fair queue: when each client was last served (a counter), so waiting jobs are taken round-robin
+        # across clients: one client's sixteen cannot hold another's one for more than about one job.
+        self._served: dict[str, int] = {}
+        self._serve_count = 0
         self.cond = threading.Condition()
         self.stopping = False
         self.running = 0  # batch runners: batches running now (one per worker thread)
@@ -254,6 +300,27 @@ class _StageWorker:
     def depth(self) -> int:
         return len(self.queue)
 
+    def fair_order(self) -> list[_Ticket]:
+        """The queue in the order it will be served: clients round-robin, the one served longest ago (or
+        never) first, each client's own jobs oldest first. Callers hold ``cond``."""
+        by_client: dict[str, list[_Ticket]] = {}
+        for ticket in self.queue:
+            by_client.setdefault(ticket.client, []).append(ticket)
+        clients = sorted(by_client, key=lambda c: (self._served.get(c, -1), by_client[c][0].enqueued_at))
+        order: list[_Ticket] = []
+        for turn in range(max((len(jobs) for jobs in by_client.values()), default=0)):
+            order += [by_client[c][turn] for c in clients if turn < len(by_client[c])]
+        return order
+
+    def _take(self, ticket: _Ticket) -> None:
+        """Remove ``ticket`` from the queue as served now (callers hold ``cond``)."""
+        self.queue.remove(ticket)
+        self._serve_count += 1
+        self._served[ticket.client] = self._serve_count
+        if len(self._served) > 10_000:  # forget the clients served longest ago
+            for client in sorted(self._served, key=self._served.__getitem__)[:5_000]:
+                del self._served[client]
+
     @property
     def active(self) -> int:
         return self.in_flight if self.runner.concurrent else self.running
@@ -277,7 +344,9 @@ class _StageWorker:
                     self.cond.wait()
                 if self.stopping:
                     return None
-                first = self.queue.pop(0)
+                order = self.fair_order()
+                first = order[0]
+                self._take(first)
                 try:
                     key = self.runner.batch_key(first.job)
                 except Exception as exc:
@@ -287,9 +356,11 @@ class _StageWorker:
                     return [], failed
                 break
             batch = [first]
-            for ticket in list(self.queue):
+            for ticket in order[1:]:
                 if len(batch) >= self.runner.max_batch_size:
                     break
+                if ticket not in self.queue:  # failed above while looking for a first job
+                    continue
                 try:
                     same = self.runner.batch_key(ticket.job) == key
                 except Exception as exc:
@@ -297,7 +368,7 @@ class _StageWorker:
                     failed.append((ticket, exc))
                     continue
                 if same:
-                    self.queue.remove(ticket)
+                    self._take(ticket)
                     batch.append(ticket)
             self.running += 1
             return batch, failed
@@ -335,7 +406,8 @@ class _StageWorker:
                     self.cond.wait()
                 if self.stopping:
                     return
-                ticket = self.queue.pop(0)
+                ticket = self.fair_order()[0]
+                self._take(ticket)
                 if ticket.job.cancelled:
                     cancelled = True
                 else:
@@ -510,7 +582,7 @@ class OmniEngine:
         for stage_id, worker in self.workers.items():
             with worker.cond:
                 running = worker.active
-                for index, ticket in enumerate(worker.queue):
+                for index, ticket in enumerate(worker.fair_order()):  # the order it will be served in
                     positions.setdefault(ticket.handle.request_id, {}).setdefault(stage_id, running + index)
         return positions
 

@@ -145,3 +145,32 @@ def model_card(source: ModelSource) -> ModelCard:
     if path is None or not path.is_file():
         return ModelCard()
     return ModelCard.parse(yaml.safe_load(path.read_text()), path)
+
+
+def model_sampling_defaults(source: ModelSource) -> dict[int, dict[str, object]]:
+    """Per stage id, the sampling parameters the model itself asks for: its card's first size and step
+    count (for its diffusion stages), then its deploy preset's ``default_sampling_params``. A deploy
+    config that leaves one of these out gets it from here, never the family-wide default the model may
+    not be able to draw (a 1024x1024, 50-step GLM-Image default for a model trained at 128x128)."""
+    defaults: dict[int, dict[str, object]] = {}
+    preset = source.default_deploy_path
+    if preset is not None:
+        data = yaml.safe_load(preset.read_text()) or {}
+        for stage in data.get("stages") or ():
+            params = stage.get("default_sampling_params") if isinstance(stage, dict) else None
+            if isinstance(params, dict) and isinstance(stage.get("stage_id"), int):
+                defaults[stage["stage_id"]] = dict(params)
+    try:
+        card = model_card(source)
+    except ValueError:  # a broken card declares nothing (the engine logs it where it reads the card)
+        card = ModelCard()
+    from_card: dict[str, object] = {}
+    if card.sizes:
+        from_card["width"], from_card["height"] = card.sizes[0]
+    if card.num_inference_steps:
+        from_card["num_inference_steps"] = card.num_inference_steps[0]
+    if from_card:
+        for template in source.family.templates:
+            if template.kind == "diffusion":
+                defaults[template.stage_id] = {**defaults.get(template.stage_id, {}), **from_card}
+    return defaults

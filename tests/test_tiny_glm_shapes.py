@@ -123,3 +123,35 @@ def test_cli_run_draws_the_prompt(tmp_path, model_cache):
     )
     reading = classify(np.asarray(Image.open(out).convert("RGB")))
     assert all(reading.correct(parse_caption(prompt)).values()), reading
+
+
+def test_a_partial_deploy_config_takes_the_models_own_defaults(tmp_path):
+    """A deploy config that names the stages and nothing else: a request with no size draws at the model's
+    own 128x128 with its 8 steps and greedy tokens (its card, then its preset), and draws the caption;
+    the family's 1024x1024 / 50 steps never reach a model that cannot draw them."""
+    from engine import build_engine
+
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("stages: [{stage_id: 0}, {stage_id: 1}]\n")
+    engine = build_engine("tiny-glm-shapes", partial, data_dir=tmp_path / "data")
+    try:
+        stages = {s.stage_id: s.default_sampling_params for s in engine.config.stages}
+        assert stages[1]["height"] == stages[1]["width"] == 128 and stages[1]["num_inference_steps"] == 8
+        assert stages[0]["temperature"] == 0.0
+        prompt, seed = PROMPTS[0]
+        image = generate(engine, prompt, seed)
+        assert image.size == (128, 128)
+        assert all(classify(np.asarray(image.convert("RGB"))).correct(parse_caption(prompt)).values())
+    finally:
+        engine.close()
+
+
+def test_a_size_the_model_never_saw_still_gets_a_whole_grid(shapes_engine):
+    """Asked for 256x256, the trained AR ends its grid early (it learned 128x128 grids); its end token is
+    held back until the grid is full, so the run draws a 256x256 picture instead of failing in the engine."""
+    from engine import GenerationParams, GenerationRequest
+
+    result = shapes_engine.run(
+        GenerationRequest(PROMPTS[0][0], GenerationParams(seed=3, height=256, width=256))
+    )
+    assert result.images[0].size == (256, 256)

@@ -126,6 +126,11 @@ class _Row:
     prepared: ARInputs
     processors: LogitsProcessorList
     eos: frozenset[int]  # ids that end the row
+    # min_new_tokens: until the row has this many tokens its end ids (those in the logits' range) score
+    # -inf, as transformers' MinNewTokensLengthLogitsProcessor does; done here so that a greedy row keeps
+    # the batch's one argmax instead of a processor call per row and token.
+    hold_ends: int
+    end_ids: torch.Tensor | None
     sample: bool
     generator: torch.Generator | None
     sequence: torch.Tensor  # prompt + room for every new token: the ids the processors see
@@ -385,6 +390,10 @@ class TransformersARStage(StageRunner):
         )
         if not all(isinstance(p, LEAN_PROCESSORS) for p in processors):
             return None
+        hold = [p for p in processors if isinstance(p, MinNewTokensLengthLogitsProcessor)]
+        processors = LogitsProcessorList(
+            [p for p in processors if not isinstance(p, MinNewTokensLengthLogitsProcessor)]
+        )
         sample = bool(config.do_sample)
         generator = None
         if sample:
@@ -394,11 +403,15 @@ class TransformersARStage(StageRunner):
         )
         sequence[: prepared.prompt_length] = input_ids[0]
         eos = config._eos_token_tensor
+        eos_ids = frozenset() if eos is None else frozenset(eos.reshape(-1).tolist())
+        held = [i for i in sorted(eos_ids) if i < self._vocabulary_size()] if hold else []
         return _Row(
             job=job,
             prepared=prepared,
             processors=processors,
-            eos=frozenset() if eos is None else frozenset(eos.reshape(-1).tolist()),
+            eos=eos_ids,
+            hold_ends=hold[0].min_new_tokens if hold and held else 0,
+            end_ids=torch.tensor(held, device=input_ids.device) if hold and held else None,
             sample=sample,
             generator=generator,
             sequence=sequence,
@@ -422,9 +435,16 @@ class TransformersARStage(StageRunner):
             self._generation_configs[key] = self.model._prepare_generation_config(None, **kwargs)
         return self._generation_configs[key]
 
+    def _vocabulary_size(self) -> int:
+        """How many ids the model's logits cover (its LM head's rows)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
     def _next_tokens(self, rows: list[_Row]) -> list[int]:
         """Every row's next token. Greedy rows without processors take one argmax for all (the first
         maximum of each row either way, so the same ids as alone)."""
+        for row in rows:
+            if row.generated < row.hold_ends and row.logits is not None:
+                row.logits[:, row.end_ids] = -float("inf")
         plain = [i for i, row in enumerate(rows) if not row.sample and not row.processors]
         picked: dict[int, int] = {}
         if len(plain) > 1:
