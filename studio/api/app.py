@@ -48,7 +48,7 @@ from studio.api.protocol import (
     ModelCard,
     ModelList,
 )
-from studio.api.refusals import RefusalBudget, RefusalThrottle
+from studio.api.refusals import RefusalRate, RefusalThrottle
 from studio.api.serving_base import ServingContext
 from studio.api.serving_chat import OpenAIServingChat
 from studio.api.serving_images import OpenAIServingImages
@@ -113,8 +113,8 @@ class ServingState:
         self._lock = threading.Lock()
         self._signer: URLSigner | None = None
         # Per-client in-flight counts outlive handler rebuilds (fingerprint changes, engine swaps).
-        self.client_slots = ClientSlots(self.options.limits.max_in_flight_per_client)
-        self.refusals = RefusalBudget()  # refused-body bytes per client (studio/api/refusals.py)
+        self.client_slots = ClientSlots(self.options.limits.client_share)
+        self.refusals = RefusalRate()  # refusals per client (studio/api/refusals.py)
         self.board = RequestBoard()  # requests in the engine, for the Queue panel (studio/inflight.py)
         self.jobs: JobService | None = None  # batch jobs (studio/jobs.py), set once the store is open
         if engine is not None:
@@ -247,12 +247,30 @@ class ServingState:
             raise APIError(401, "Incorrect API key provided", None, "invalid_api_key")
 
 
+# An oversize body is read (and dropped) up to this many bytes before its 413: a client that is still
+# sending when the answer comes (most HTTP clients read nothing until they have sent everything) would see
+# a reset connection instead of the 413. Past it the answer goes out and the connection closes.
+DISCARD_BEFORE_413 = 256 * 1024 * 1024
+
+
+async def discard_body(request: Request, read: int) -> None:
+    """Read and drop the rest of ``request``'s body, up to :data:`DISCARD_BEFORE_413` bytes in all."""
+    try:
+        async for piece in request.stream():
+            read += len(piece)
+            if read > DISCARD_BEFORE_413:
+                return
+    except Exception:  # the client went away, or the stream was already consumed: nothing to drain
+        return
+
+
 async def read_json(request: Request, limits: InputLimits) -> dict[str, Any]:
     """The request body as a JSON object; 413 past the body limit, 400 when not JSON, nested too deep or
     not valid Unicode text."""
     limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
+        await discard_body(request, 0)
         raise APIError(
             413,
             f"The request body is {declared} bytes; the limit is {limit} (--max-body-bytes)",
@@ -263,6 +281,7 @@ async def read_json(request: Request, limits: InputLimits) -> dict[str, Any]:
     async for piece in request.stream():
         body += piece
         if len(body) > limit:
+            await discard_body(request, len(body))
             raise APIError(
                 413,
                 f"The request body is larger than {limit} bytes (--max-body-bytes)",
@@ -299,6 +318,7 @@ async def read_edit_form(request: Request, state: ServingState) -> tuple[dict[st
     limit = state.options.limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
+        await discard_body(request, 0)
         raise APIError(
             413, f"The request body is {declared} bytes; the limit is {limit}", None, "body_too_large"
         )
@@ -651,6 +671,6 @@ def create_app(state: ServingState) -> FastAPI:
         title="Omni Studio API", version=__version__, openapi_url=None, docs_url=None, redoc_url=None
     )
     app.include_router(create_api_router(state))
-    app.add_middleware(RefusalThrottle, budget=state.refusals)
+    app.add_middleware(RefusalThrottle, rate=state.refusals)
     app.state.serving = state
     return app

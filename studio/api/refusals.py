@@ -1,13 +1,18 @@
-"""A byte budget for refused requests per client: one client's flood of refused bodies cannot starve others.
+"""Refused requests throttled only at sustained abusive rates: honest mistakes never cost the next request.
 
 A request refused before the engine (a 1 MB prompt past ``--max-prompt-chars``, invalid JSON, an unknown
 field...) still costs the server its body: receiving, parsing, checking, recording. A client that sends
-such bodies back to back, without even waiting for the answers, would keep the event loop and the run
-store busy and slow every other client. So each client (its address and API key, as for
-``--max-in-flight-per-client``) may have at most ``rate`` bytes per second of refused bodies (a token
-bucket holding up to ``burst`` bytes). Past it, its generation requests get 429 with ``Retry-After`` at
-once, before their bodies are read; like the failed-login limiter's 429s, these are not recorded as runs
-(they never reach a handler). Well-formed requests cost nothing from the budget (README, "The API").
+such requests back to back without pause would keep the event loop and the run store busy and slow every
+other client. An honest client makes mistakes one at a time, reads the answer and fixes the request. So
+a client (its address and API key, :func:`client_key`) is throttled only while, over the last
+:data:`WINDOW_S` seconds, it had more than :data:`MAX_REFUSALS` refusals (20 a second, sustained) or more
+than :data:`MAX_REFUSED_BYTES` of refused bodies; its generation requests then get 429 ``too_many_refused``
+with ``Retry-After`` and a message saying why, and the throttle ends as soon as the rate falls back (a
+throttled request is not a refusal). Not counted: well-formed requests, 401/429/503 (the server's state or
+the login limiter's business, studio/api/auth.py) and 413s (a body refused by its size is not read past a
+bound: it costs the server little, and an honest client that uploads one too big an image must learn why
+from the 413, not from a throttle). A throttled answer reads and discards up to :data:`READ_BEFORE_ANSWER`
+of the body first, so the client gets the 429 rather than a reset connection (README, "The API").
 """
 
 from __future__ import annotations
@@ -17,19 +22,21 @@ import json
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Any
 
 from studio.api.auth import client_address
 from studio.starting import GENERATION_PATHS, ASGIApp, Message, Receive, Scope, Send
 
 MiB = 1024 * 1024
-REFUSED_BYTES_PER_S = 4 * MiB
-REFUSED_BYTES_BURST = 16 * MiB
-CLIENTS_KEPT = 10_000  # buckets remembered (least recently used dropped first)
-# Refusals that spend the budget: the client's own fault, about what it sent. Not 401 (the login limiter
-# has its own), 429 or 503 (the server's state, not the client's).
-CHARGED_STATUSES = frozenset({400, 404, 405, 413, 415, 422})
+WINDOW_S = 5.0
+MAX_REFUSALS = 100  # in WINDOW_S: 20 a second, sustained
+MAX_REFUSED_BYTES = 100 * MiB  # in WINDOW_S: 20 MiB a second of bodies read and refused
+READ_BEFORE_ANSWER = 1 * MiB  # a throttled request's body read (and dropped) before its 429
+CLIENTS_KEPT = 10_000  # clients remembered (least recently used dropped first)
+# Refusals that count: the client's own fault, about what it sent (see the module's docstring for 413).
+COUNTED_STATUSES = frozenset({400, 404, 405, 415, 422})
 
 
 def client_key(scope: Scope) -> str:
@@ -41,41 +48,69 @@ def client_key(scope: Scope) -> str:
     return f"{client_address(scope)}|{digest}"
 
 
-class RefusalBudget:
-    """Token buckets of refused-body bytes, one per client."""
+class RefusalRate:
+    """Each client's refusals (time and body size) over the last :data:`WINDOW_S` seconds."""
 
-    def __init__(self, rate: float = REFUSED_BYTES_PER_S, burst: float = REFUSED_BYTES_BURST) -> None:
-        self.rate = rate
-        self.burst = burst
+    def __init__(
+        self,
+        max_refusals: int = MAX_REFUSALS,
+        max_bytes: int = MAX_REFUSED_BYTES,
+        window_s: float = WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_refusals = max_refusals
+        self.max_bytes = max_bytes
+        self.window_s = window_s
+        self.clock = clock
         self._lock = threading.Lock()
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (bytes, at)
+        self._clients: OrderedDict[str, deque[tuple[float, int]]] = OrderedDict()
 
-    def _level(self, client: str, now: float) -> float:
-        level, at = self._buckets.get(client, (self.burst, now))
-        return min(self.burst, level + (now - at) * self.rate)
+    def _recent(self, client: str, now: float) -> deque[tuple[float, int]]:
+        seen = self._clients.get(client)
+        if seen is None:
+            return deque()
+        while seen and seen[0][0] <= now - self.window_s:
+            seen.popleft()
+        return seen
 
     def retry_after(self, client: str) -> int:
-        """0 when the client may send; else seconds until its budget is positive again."""
+        """0 when the client is not throttled; else seconds until its rate is back under the limits."""
         with self._lock:
-            level = self._level(client, time.monotonic())
-        return 0 if level > 0 else max(1, math.ceil(-level / self.rate))
+            now = self.clock()
+            seen = self._recent(client, now)
+            over = len(seen) - self.max_refusals
+            total = sum(size for _, size in seen)
+            if over <= 0 and total <= self.max_bytes:
+                return 0
+            # The time at which enough of the oldest refusals have left the window.
+            until = now
+            for at, size in seen:
+                over, total = over - 1, total - size
+                until = at + self.window_s
+                if over <= 0 and total <= self.max_bytes:
+                    break
+            return max(1, math.ceil(until - now))
 
-    def charge(self, client: str, size: int) -> None:
-        """Spend ``size`` bytes of a refused body (the level may go below zero: a debt to wait off)."""
-        now = time.monotonic()
+    def record(self, client: str, size: int) -> None:
+        """One refusal of a ``size``-byte body."""
         with self._lock:
-            self._buckets[client] = (self._level(client, now) - size, now)
-            self._buckets.move_to_end(client)
-            while len(self._buckets) > CLIENTS_KEPT:
-                self._buckets.popitem(last=False)
+            now = self.clock()
+            seen = self._recent(client, now)
+            seen.append((now, size))
+            if len(seen) > 2 * self.max_refusals:  # the window never needs more to decide
+                seen.popleft()
+            self._clients[client] = seen
+            self._clients.move_to_end(client)
+            while len(self._clients) > CLIENTS_KEPT:
+                self._clients.popitem(last=False)
 
 
 class RefusalThrottle:
-    """ASGI middleware applying a :class:`RefusalBudget` to the generation routes."""
+    """ASGI middleware applying a :class:`RefusalRate` to the generation routes."""
 
-    def __init__(self, app: ASGIApp, budget: RefusalBudget) -> None:
+    def __init__(self, app: ASGIApp, rate: RefusalRate) -> None:
         self.app = app
-        self.budget = budget
+        self.rate = rate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -86,9 +121,9 @@ class RefusalThrottle:
             await self.app(scope, receive, send)
             return
         client = client_key(scope)
-        wait = self.budget.retry_after(client)
+        wait = self.rate.retry_after(client)
         if wait:
-            await _too_many_refused(send, wait)
+            await _too_many_refused(receive, send, wait)
             return
         received = 0
         status = 0
@@ -109,15 +144,25 @@ class RefusalThrottle:
         try:
             await self.app(scope, counting_receive, status_send)
         finally:
-            if status in CHARGED_STATUSES:
-                self.budget.charge(client, received)
+            if status in COUNTED_STATUSES:
+                self.rate.record(client, received)
 
 
-async def _too_many_refused(send: Send, retry_after: int) -> None:
+async def _too_many_refused(receive: Receive, send: Send, retry_after: int) -> None:
+    """429 with ``Retry-After``, after reading (and dropping) up to READ_BEFORE_ANSWER of the body: a
+    client still sending would otherwise see a reset connection instead of the answer."""
+    read, more = 0, True
+    while more and read <= READ_BEFORE_ANSWER:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        read += len(message.get("body", b""))
+        more = bool(message.get("more_body"))
     error: dict[str, Any] = {
         "error": {
-            "message": "Too many refused requests from this client (their bodies were too large or invalid); "
-            f"retry in {retry_after} s",
+            "message": f"Too many refused requests from this client: more than {MAX_REFUSALS} in "
+            f"{WINDOW_S:g} s or {MAX_REFUSED_BYTES // MiB} MiB of refused bodies (invalid or over a limit; "
+            f"each answer named the field). Retry in {retry_after} s.",
             "type": "rate_limit_error",
             "param": None,
             "code": "too_many_refused",
@@ -128,7 +173,8 @@ async def _too_many_refused(send: Send, retry_after: int) -> None:
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
         (b"retry-after", str(retry_after).encode()),
-        (b"connection", b"close"),  # the body was not read: the connection cannot carry another request
     ]
+    if more:  # the rest of the body was not read: the connection cannot carry another request
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": 429, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -100,7 +100,7 @@ def api_app_kwargs(serving: ServingState) -> dict[str, Any]:
 
     return {
         "routes": list(create_api_router(serving).routes),
-        "middleware": [Middleware(RetryAfterOn503), Middleware(RefusalThrottle, budget=serving.refusals)],
+        "middleware": [Middleware(RetryAfterOn503), Middleware(RefusalThrottle, rate=serving.refusals)],
     }
 
 
