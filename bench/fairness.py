@@ -6,13 +6,17 @@ Against a real `omni-studio serve` (default: tiny-glm-shapes with its shipped de
 - quiet: only them;
 - abusive: meanwhile one more client keeps sending a 1 MB chat prompt (250,000 words) on a raw socket
   and closes it without reading the answer (the studio refuses it: `--max-prompt-chars`, a 400 naming
-  `messages`; then, past the client's refused-bytes budget, 429s before the body is read:
-  studio/api/refusals.py).
+  `messages`; then, past a sustained rate of refusals, 429s: studio/api/refusals.py).
 
 Prints the well-behaved clients' p50/p95 per phase, the ratio abusive/quiet per round and its median, and
 how many 1 MB requests were sent. Target: other clients' latency within 2x of normal.
 
-    .venv/bin/python bench/fairness.py [--rounds 3] [--clients 4] [--per-client 3]
+``--scenario greedy``: one client keeps 16 requests in flight while another sends one request at a time;
+phases alternate over rounds (the small client alone, then beside the greedy one). Prints the small
+client's p50 beside the greedy client vs alone (target <= 1.5x: waiting requests are served round-robin
+across clients) and whether every greedy request succeeded (no 429: the queue is not full).
+
+    .venv/bin/python bench/fairness.py [--scenario flood|greedy] [--rounds 3] [--clients 4] [--per-client 3]
 """
 
 from __future__ import annotations
@@ -90,6 +94,55 @@ def phase(url: str, clients: int, per_client: int, abusive: bool) -> tuple[list[
     return [t for times in results for t in times], sent[0]
 
 
+def greedy_phase(url: str, per_client: int, greedy: bool) -> tuple[list[float], list[int]]:
+    """The small client's latencies (``per_client`` requests, one at a time), with or without a greedy
+    client keeping 16 in flight meanwhile; the greedy client's statuses."""
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def keep_one_in_flight(slot: int) -> None:
+        with httpx.Client(timeout=300, headers={"Authorization": "Bearer greedy"}) as http:
+            i = 0
+            while not stop.is_set():
+                body = {"messages": [{"role": "user", "content": PROMPT}], "seed": 10_000 + slot * 1000 + i}
+                statuses.append(http.post(url + "/v1/chat/completions", json=body).status_code)
+                i += 1
+
+    pool = ThreadPoolExecutor(16) if greedy else None
+    if pool is not None:
+        for slot in range(16):
+            pool.submit(keep_one_in_flight, slot)
+        time.sleep(2.0)  # the 16 are queued and running
+    try:
+        times = well_behaved(url, 99, per_client)
+    finally:
+        stop.set()
+        if pool is not None:
+            pool.shutdown(wait=True)
+    return times, statuses
+
+
+def greedy_scenario(url: str, rounds: int, per_client: int) -> None:
+    ratios, alone_all, beside_all, statuses = [], [], [], []
+    for round_ in range(rounds):
+        p50 = {}
+        for greedy in (False, True) if round_ % 2 == 0 else (True, False):
+            times, seen = greedy_phase(url, per_client, greedy)
+            statuses += seen
+            (beside_all if greedy else alone_all).extend(times)
+            p50[greedy] = statistics.median(times)
+            label = f"beside 16 in flight ({len(seen)} greedy requests)" if greedy else "alone"
+            print(f"round {round_ + 1} {label:42}: p50 {p50[greedy]:.2f} s, p95 {pct(times, 0.95):.2f} s")
+        ratios.append(p50[True] / p50[False])
+    failed = sum(status != 200 for status in statuses)
+    print(
+        f"\nsmall client p50 alone {statistics.median(alone_all):.2f} s, beside a client with 16 in flight "
+        f"{statistics.median(beside_all):.2f} s; ratio per round {min(ratios):.2f}-{max(ratios):.2f}, "
+        f"median {statistics.median(ratios):.2f} (target <= 1.5); greedy requests: {len(statuses)}, "
+        f"{'all 200' if not failed else f'{failed} not 200'}"
+    )
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -101,9 +154,13 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--per-client", type=int, default=3)
     parser.add_argument("--model", default="tiny-glm-shapes")
+    parser.add_argument("--scenario", choices=("flood", "greedy"), default="flood")
     args = parser.parse_args()
     with running_server(["serve", "--model", args.model], Path(tempfile.mkdtemp())) as server:
         well_behaved(server.url, 0, 1)  # warm-up
+        if args.scenario == "greedy":
+            greedy_scenario(server.url, args.rounds, args.per_client)
+            return
         ratios, quiet_all, abusive_all, huge = [], [], [], 0
         for round_ in range(args.rounds):
             order = (False, True) if round_ % 2 == 0 else (True, False)

@@ -60,6 +60,9 @@ class GenerationRequest:
     history: tuple[ChatTurn, ...] = ()  # earlier turns, oldest first; ``prompt`` is the newest user turn
     modalities: tuple[OutputModality, ...] | None = None  # None: what the pipeline's final stage produces
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Who sent it (an API key and address, a UI session...; None: a client of its own). Stage queues
+    # serve waiting jobs round-robin across clients (engine/engine.py; README, "Many clients").
+    client: str | None = None
 
     def with_params(self, **changes: Any) -> GenerationRequest:
         return replace(self, params=replace(self.params, **changes))

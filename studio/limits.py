@@ -35,15 +35,26 @@ class InputLimits:
         default=64, metadata={"help": "requests queued or running in the engine (429 past it)"}
     )
     max_in_flight_per_client: int = field(
-        default=8,
-        metadata={"help": "requests queued or running per API client or UI session (429 past it)"},
+        default=0,
+        metadata={
+            "help": "requests queued or running per API client or UI session, a cap on one client's share "
+            "of a full queue (429 past it); 0: the queue size. Waiting requests are served round-robin "
+            "across clients whatever this is"
+        },
     )
 
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{self.flag(item.name)} must be a positive integer, got {value!r}")
+            least = 0 if item.name == "max_in_flight_per_client" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                kind = "a non-negative" if least == 0 else "a positive"
+                raise ValueError(f"{self.flag(item.name)} must be {kind} integer, got {value!r}")
+
+    @property
+    def client_share(self) -> int:
+        """Requests one client may have queued or running: ``--max-in-flight-per-client``, else the queue."""
+        return min(self.max_in_flight_per_client or self.max_queue, self.max_queue)
 
     @staticmethod
     def flag(name: str) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -260,6 +260,9 @@ class RunService:
         if self.board is not None:
             who = owner or (f"{self.source}:{client}" if client else None)
             self.board.add(resolved.request_id, self.source, who, resolved.request.prompt, engine)
+        if client is not None or owner is not None:  # the stage queues take clients round-robin
+            who = f"{self.source}:{client}" if client is not None else str(owner)
+            resolved = replace(resolved, request=replace(resolved.request, client=who))
         # OmniEngine.generate is an async generator (typed as an iterator): closing it cancels the request.
         agen = cast(AsyncGenerator[EngineEvent, None], engine.generate(resolved, progress=progress))
         finished = False

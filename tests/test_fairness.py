@@ -94,3 +94,47 @@ def test_a_streamed_request_over_the_client_limit_is_a_429_not_a_chunk(server):
         for sock in held:
             drop(sock)
     wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 0, 5)
+
+
+def test_waiting_requests_are_served_round_robin_across_clients(tmp_path):
+    """One client queues eight requests, then another client one: with one AR slot, the second client's
+    request runs right after the one running now, not behind the other seven (its stage 0 start order)."""
+    import threading
+
+    from engine import GenerationParams, GenerationRequest, build_engine
+    from engine.events import StageStarted
+
+    deploy = tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 1})
+    engine = build_engine("tiny-glm-image", deploy, data_dir=tmp_path)
+    started: list[str] = []
+    lock = threading.Lock()
+
+    def run(client: str, index: int, steps: int) -> None:
+        request = GenerationRequest(
+            f"{client} {index}",
+            GenerationParams(seed=index, height=128, width=128, num_inference_steps=steps),
+        )
+        request = GenerationRequest(request.prompt, request.params, client=client)
+        for event in engine.stream(engine.resolve(request)):
+            if isinstance(event, StageStarted) and event.stage_id == 0:
+                with lock:
+                    started.append(client)
+
+    try:
+        first = threading.Thread(target=run, args=("busy", 0, 512))  # a long decode: the others queue
+        first.start()
+        wait_for(lambda: started == ["busy"], 30)  # running: the others wait in stage 0's queue
+        threads = [threading.Thread(target=run, args=("busy", i, 64)) for i in range(1, 8)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: engine.waiting_depths()[0] == 7 or len(started) > 1, 30)
+        late = threading.Thread(target=run, args=("quiet", 0, 64))
+        late.start()
+        for thread in [first, *threads, late]:
+            thread.join(timeout=300)
+        assert len(started) == 9
+        # Served round-robin: the quiet client's one request is at most one "busy" job behind the one that
+        # was running when it arrived (FIFO would have put it last, behind all seven).
+        assert started.index("quiet") <= 2, started
+    finally:
+        engine.close()
