@@ -8,11 +8,15 @@ a client (its address and API key, :func:`client_key`) is throttled only while, 
 :data:`WINDOW_S` seconds, it had more than :data:`MAX_REFUSALS` refusals (20 a second, sustained) or more
 than :data:`MAX_REFUSED_BYTES` of refused bodies; its generation requests then get 429 ``too_many_refused``
 with ``Retry-After`` and a message saying why, and the throttle ends as soon as the rate falls back (a
-throttled request is not a refusal). Not counted: well-formed requests, 401/429/503 (the server's state or
+throttled request counts as a refusal: a client that keeps flooding stays throttled; one that pauses is
+served again within :data:`WINDOW_S` seconds). Not counted: well-formed requests, 401/429/503 (the server's state or
 the login limiter's business, studio/api/auth.py) and 413s (a body refused by its size is not read past a
 bound: it costs the server little, and an honest client that uploads one too big an image must learn why
 from the 413, not from a throttle). A throttled answer reads and discards up to :data:`READ_BEFORE_ANSWER`
-of the body first, so the client gets the 429 rather than a reset connection (README, "The API").
+of the body first, so a client sending an ordinary request gets the 429 rather than a reset connection;
+a bigger body from a throttled (abusive) client is answered before it is read, and the connection closed:
+reading megabytes for a client already flooding would hand it the CPU the throttle is there to protect
+(README, "The API").
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ MiB = 1024 * 1024
 WINDOW_S = 5.0
 MAX_REFUSALS = 100  # in WINDOW_S: 20 a second, sustained
 MAX_REFUSED_BYTES = 100 * MiB  # in WINDOW_S: 20 MiB a second of bodies read and refused
-READ_BEFORE_ANSWER = 1 * MiB  # a throttled request's body read (and dropped) before its 429
+READ_BEFORE_ANSWER = 64 * 1024  # a throttled request's body read (and dropped) before its 429
 CLIENTS_KEPT = 10_000  # clients remembered (least recently used dropped first)
 # Refusals that count: the client's own fault, about what it sent (see the module's docstring for 413).
 COUNTED_STATUSES = frozenset({400, 404, 405, 415, 422})
@@ -123,7 +127,8 @@ class RefusalThrottle:
         client = client_key(scope)
         wait = self.rate.retry_after(client)
         if wait:
-            await _too_many_refused(receive, send, wait)
+            self.rate.record(client, 0)  # a throttled request is a refusal too: a client still flooding
+            await _too_many_refused(receive, send, wait)  # stays throttled until it slows down
             return
         received = 0
         status = 0
