@@ -97,6 +97,14 @@ def _options(groups: tuple[str, ...], defaults: bool, limits: tuple[str, ...] | 
             "--api-key", default=_d(None), metavar="KEY", help="require `Authorization: Bearer KEY` on /v1/*"
         )
         s.add_argument(
+            "--forwarded-allow-ips",
+            default=_d(None),
+            metavar="IPS",
+            help="proxies whose X-Forwarded-For names the client (uvicorn's meaning: comma-separated "
+            "addresses or '*'; default $FORWARDED_ALLOW_IPS, else 127.0.0.1); the client address keys "
+            "the fair queue and the throttles",
+        )
+        s.add_argument(
             "--fingerprint-mode",
             choices=FINGERPRINT_MODES,
             default=_d("full"),
@@ -749,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "ui"
     args.command = command
     handler = COMMANDS.get(command, cmd_not_ready)
+    if getattr(args, "forwarded_allow_ips", None):  # read by uvicorn (ours in `serve`, Gradio's in `ui`)
+        os.environ["FORWARDED_ALLOW_IPS"] = args.forwarded_allow_ips
     quiet_libraries()
     tune_interpreter()
     stop_gracefully_on_sigterm()

@@ -65,3 +65,24 @@ def test_wrong_keys_never_lock_out_the_right_one(server) -> None:
             assert client.get("/v1/models", headers=right).status_code == 200
         assert statuses[:5] == [401] * 5 and set(statuses[5:]) == {429}
         assert client.post(CHAT, json=GOOD, headers=right).status_code == 200
+
+
+def test_behind_a_trusted_proxy_clients_are_told_apart_by_x_forwarded_for(tmp_path) -> None:
+    """`--forwarded-allow-ips`: a proxy's X-Forwarded-For names the client, so one user's failed key does
+    not throttle another's behind the same proxy; an untrusted peer's header is ignored."""
+    with running_server(
+        ["serve", "--api-key", KEY, "--forwarded-allow-ips", "127.0.0.9"], tmp_path / "data"
+    ) as live:
+
+        def get(peer: str, forwarded: str | None) -> int:
+            transport = httpx.HTTPTransport(local_address=peer)
+            headers = {"Authorization": "Bearer wrong"}
+            if forwarded:
+                headers["X-Forwarded-For"] = forwarded
+            with httpx.Client(base_url=live.url, transport=transport) as client:
+                return client.get("/v1/models", headers=headers).status_code
+
+        assert [get("127.0.0.9", "10.1.1.1") for _ in range(6)] == [401] * 5 + [429]
+        assert get("127.0.0.9", "10.1.1.2") == 401  # another user behind the proxy: its own count
+        # An untrusted peer cannot pick its address with the header: its failures are its own.
+        assert [get("127.0.0.3", f"10.9.9.{i}") for i in range(6)] == [401] * 5 + [429]

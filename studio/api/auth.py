@@ -14,7 +14,8 @@
 - :func:`guard_gradio_login` wraps Gradio's ``POST /login`` so its failures are counted and a blocked
   address is refused before Gradio checks the password.
 
-The client address is the TCP peer's: ``X-Forwarded-For`` is not trusted (anyone can send it). A guess of
+The client address is the TCP peer's, or what ``X-Forwarded-For`` says when the peer is a proxy named by
+``--forwarded-allow-ips`` (uvicorn's meaning and default: 127.0.0.1; anyone else's header is ignored). A guess of
 another credential is a new pair, so the limiter slows repeating one wrong key or password (a typo, a
 stale key in a script), not a search through many: that is what the keys' length is for (generated keys
 and share logins are random, 128 bits and more).
