@@ -9,6 +9,7 @@ run, and the server is healthy afterwards. Bounded in examples and time (docs/RO
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -201,9 +202,18 @@ def test_fuzz_endpoints_never_fail_and_lose_nothing(fuzz_server):
     started = time.monotonic()
     image_png = small_png()
 
+    # The fuzzer sends hundreds of refused requests a second, the rate the refusal throttle exists for
+    # (tests/test_refusals.py); each request comes as its own client (a bearer token of its own, the
+    # server has no key) so every one reaches its handler and must be recorded.
+    clients = itertools.count()
+
+    def as_new_client() -> dict[str, str]:
+        return {"authorization": f"Bearer fuzz-{next(clients)}"}
+
     def post_json(path: str, body: object) -> None:
         payload = json.dumps(body, allow_nan=True).encode()  # ensure_ascii: surrogates travel as \ud800
-        response = client.post(path, content=payload, headers={"content-type": "application/json"})
+        headers = {"content-type": "application/json", **as_new_client()}
+        response = client.post(path, content=payload, headers=headers)
         tally.check("POST", path, response, payload.decode())
 
     @FUZZ_SETTINGS
@@ -226,13 +236,14 @@ def test_fuzz_endpoints_never_fail_and_lose_nothing(fuzz_server):
             post_json("/v1/images/generations", body)
         elif kind == "raw":
             path, raw = body  # type: ignore[misc]
-            response = client.post(path, content=raw, headers={"content-type": "application/json"})
+            headers = {"content-type": "application/json", **as_new_client()}
+            response = client.post(path, content=raw, headers=headers)
             tally.check("POST", path, response, repr(raw[:200]))
         else:
             fields, with_image = body  # type: ignore[misc]
             files = {"image": ("x.png", image_png if with_image else b"not an image")}
             data = {k: v.encode("utf-8", "surrogatepass") for k, v in fields.items()}
-            response = client.post("/v1/images/edits", data=data, files=files)
+            response = client.post("/v1/images/edits", data=data, files=files, headers=as_new_client())
             tally.check("POST", "/v1/images/edits", response, repr(fields))
 
     one_request()

@@ -91,7 +91,9 @@ class GlmImageFamily(PipelineFamily):
                 f"max_tokens is {budget}; ask for a smaller image or raise max_tokens",
             )
         ar["max_tokens"] = layout.max_new_tokens
-        # The grid needs every one of its tokens: the end token (and any stop id) is held back until it is
-        # full, as vLLM's min_tokens does. A model that would end early (a trained one asked for a size
-        # it never saw) then draws something at the size asked for, never an engine error.
-        ar["min_tokens"] = max(int(ar.get("min_tokens") or 0), layout.max_new_tokens - 1)
+        # The grid needs every one of its tokens: the model's end token is held back until it is full, as
+        # vLLM's min_tokens does. A model that would end early (a trained one asked for a size it never
+        # saw) then draws something at the size asked for, never an engine error. Stop ids set on
+        # purpose (a deploy config's stop_token_ids, ignore_eos) keep their meaning.
+        if not ar.get("stop_token_ids") and not ar.get("ignore_eos"):
+            ar["min_tokens"] = max(int(ar.get("min_tokens") or 0), layout.max_new_tokens - 1)
