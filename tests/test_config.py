@@ -173,27 +173,33 @@ def test_topology_may_be_spelled_out():
 
 
 @pytest.mark.parametrize(
-    "value",
+    ("value", "family"),
     [
-        "text",
-        "image",
-        "audio",
-        "latent",
-        "token_ids",
-        "text+image",
-        "image,text",
-        "token_ids+text",
-        "latent+image",
+        ("text", "chat"),
+        ("token_ids", "chat"),
+        ("token_ids+text", "chat"),
+        ("image", "diffusion"),
+        ("latent", "diffusion"),
+        ("latent+image", "diffusion"),
     ],
 )
-def test_every_canonical_spelling_passes_validation(value):
-    family = get_family("diffusion") if value in ("image", "latent", "latent+image") else get_family("chat")
-    if value in ("audio", "text+image", "image,text"):
-        # no stage kind produces these combinations; parsing succeeds, the capability check names the kind
-        problems = problems_of({"stages": [{"stage_id": 0, "engine_output_type": value}]}, get_family("chat"))
-        assert all("cannot produce" in p for p in problems)
-        return
-    resolve({"stages": [{"stage_id": 0, "engine_output_type": value}]}, family)
+def test_every_canonical_spelling_passes_validation(value, family):
+    config = resolve({"stages": [{"stage_id": 0, "engine_output_type": value}]}, get_family(family))
+    assert [(s.stage_id, s.engine_output_type) for s in config.stages] == [(0, value)]
+
+
+@pytest.mark.parametrize(
+    ("value", "unsupported"), [("audio", "audio"), ("text+image", "image"), ("image,text", "image")]
+)
+def test_a_modality_the_stage_kind_cannot_produce_is_named_with_stage_key_and_allowed_values(
+    value, unsupported
+):
+    # The spelling parses; the capability check names the stage, the key, the kind and what it can produce.
+    problems = problems_of({"stages": [{"stage_id": 0, "engine_output_type": value}]}, get_family("chat"))
+    assert problems == [
+        f"stage 0: engine_output_type: an AR stage cannot produce {unsupported}; "
+        "allowed: token_ids, text (or a '+' combination)"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -71,14 +71,18 @@ def test_vllm_scale_out_keys_are_checked() -> None:
         p.startswith("stage 1: distributed_executor_backend: applies to AR stages on vLLM") for p in found
     )
     few_gpus = problems({"stages": [{"stage_id": 0, "devices": "0", "tensor_parallel_size": 2}]})
-    assert any(
-        "needs 2 GPUs but devices '0' lists 1" in p and "distributed_executor_backend: ray" in p
-        for p in few_gpus
-    )
+    assert few_gpus == [
+        "stage 0: tensor_parallel_size: tensor_parallel_size 2 x pipeline_parallel_size 1 needs 2 GPUs but "
+        "devices '0' lists 1; list 2 GPUs (e.g. devices: '0,1') or set distributed_executor_backend: ray to "
+        "let vLLM place its workers on the Ray cluster"
+    ]
     unknown = problems({"stages": [{"stage_id": 0, "distributed_executor_backend": "slurm"}]})
-    assert any("distributed_executor_backend" in p and "'ray', 'mp' or 'uni'" in p for p in unknown), unknown
-    # With Ray, vLLM places its workers itself: more workers than local GPUs is fine.
-    build_pipeline_config(
+    assert unknown == [
+        "stage 0: distributed_executor_backend: Input should be 'ray', 'mp' or 'uni' (got 'slurm')"
+    ]
+    # With Ray, vLLM places its workers itself: more workers than local GPUs is fine, and the stage keeps
+    # what was asked (vLLM gets 2 tensor-parallel workers on its Ray executor, GPU 0 listed locally).
+    on_ray = build_pipeline_config(
         SHAPES,
         {
             "stages": [
@@ -91,6 +95,9 @@ def test_vllm_scale_out_keys_are_checked() -> None:
             ]
         },
     )
+    args = on_ray.stage(0).engine_args
+    assert (args.tensor_parallel, args.pipeline_parallel) == (2, 1)
+    assert args.distributed_executor_backend == "ray" and args.placement.gpus == (0,)
 
 
 def test_placement_stays_out_of_the_snapshot_and_the_hash() -> None:
