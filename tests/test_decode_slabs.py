@@ -1,14 +1,17 @@
 """The lean decode step's batch-invariance machinery (engine/stages/decode_slabs.py, docs/batching.md):
-slabs keep their live rows a prefix, and the machine checks catch what is not row- or slot-independent."""
+slabs keep their live rows a prefix, and a row's attention gets its alone bits on whatever path the
+run-time check picks (batched where the kernel keeps slots apart, slot by slot where it does not)."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.stages import decode_slabs
 from engine.stages.decode_slabs import ATTENTION_BUCKET, KVSlab, bucket_length, slots_independent
 
 LAYERS, HEADS, HEAD_DIM, ROTARY = 2, 3, 8, 8
@@ -16,8 +19,8 @@ LAYERS, HEADS, HEAD_DIM, ROTARY = 2, 3, 8, 8
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """The lean step runs a small model on one intra-op thread (engine/stages/base.py); with more, kernels
-    split work by row count and the checks below (rightly) fail."""
+    """The lean step runs a small model on one intra-op thread (engine/stages/base.py): the slabs here run
+    as the engine's decode thread runs them."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -61,8 +64,20 @@ def test_rows_hold_a_prefix_and_a_leaving_row_hands_its_slot_to_the_last() -> No
     assert [r.slot for r in s.rows] == list(range(4))
 
 
-def test_attention_over_the_slab_equals_each_slot_alone() -> None:
-    s = slab()
+def slot_mixing_attention(query, key, value, attn_mask=None, scale=None, enable_gqa=False):
+    """Attention as a kernel that let slots leak into each other would compute it: a slot's output moves
+    with the other slots' keys."""
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa
+    )
+    return out + 1e-3 * key.mean(dim=(0, 1, 2), keepdim=True)[..., :1].expand_as(out)
+
+
+def attend_five_slots(
+    s: KVSlab,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Five rows of different lengths attend as one step (the live prefix), as a gathered batch in reverse
+    order, and one of them alone; returns (together, gathered, alone, positions, q, k)."""
     generator = torch.Generator().manual_seed(1)
     for i in range(5):
         keys = [torch.randn(1, HEADS, 5 + 7 * i, HEAD_DIM, generator=generator) for _ in range(LAYERS)]
@@ -78,6 +93,17 @@ def test_attention_over_the_slab_equals_each_slot_alone() -> None:
     )
     one = int(slots[2])  # a single row passes plain ints
     alone = s.attend(0, one, int(positions[2]), q[2:3], k[2:3], v[2:3], 0.3, prefix=False)
+    return together, gathered, alone, positions, q, k
+
+
+@pytest.mark.parametrize("forced_per_slot", [False, True], ids=["checked", "slot-by-slot"])
+def test_attention_over_the_slab_gives_each_row_its_alone_bits(forced_per_slot: bool) -> None:
+    """Whichever path the run-time check picks on this machine (as the decoder does per slab shape,
+    engine/pipelines/glm_image/ar_transformers.py), a row attends to the same bits alone, in the live
+    prefix and gathered; the slot-by-slot fallback is also run here on any machine."""
+    s = slab()
+    s.per_slot = forced_per_slot or not slots_independent(s, HEADS, HEAD_DIM, 8)
+    together, gathered, alone, positions, q, k = attend_five_slots(s)
     assert torch.equal(alone[0], together[2])
     for i in range(5):
         length = int(positions[i]) + 1
@@ -87,7 +113,42 @@ def test_attention_over_the_slab_equals_each_slot_alone() -> None:
         )[0]
         assert torch.allclose(together[i], exact, atol=1e-6)  # the masked tail adds nothing but rounding
         assert torch.equal(gathered[4 - i], together[i])
-    assert slots_independent(s, HEADS, HEAD_DIM, 8)
+
+
+def test_the_check_refuses_attention_that_mixes_slots_and_the_fallback_keeps_alone_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        decode_slabs, "F", SimpleNamespace(scaled_dot_product_attention=slot_mixing_attention)
+    )
+    s = slab()
+    assert not slots_independent(s, HEADS, HEAD_DIM, 8)
+    s.per_slot = True  # what the decoder sets when the check fails
+    together, gathered, alone, *_ = attend_five_slots(s)
+    assert torch.equal(alone[0], together[2])
+    assert all(torch.equal(gathered[4 - i], together[i]) for i in range(5))
+
+
+def test_the_check_accepts_attention_computed_slot_by_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that keeps slots apart by construction passes (so the check is not refusing everything)."""
+
+    def slot_by_slot(query, key, value, attn_mask=None, scale=None, enable_gqa=False):
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    query[i : i + 1],
+                    key[i : i + 1],
+                    value[i : i + 1],
+                    attn_mask=None if attn_mask is None else attn_mask[i : i + 1],
+                    scale=scale,
+                    enable_gqa=enable_gqa,
+                )
+                for i in range(query.shape[0])
+            ]
+        )
+
+    monkeypatch.setattr(decode_slabs, "F", SimpleNamespace(scaled_dot_product_attention=slot_by_slot))
+    assert slots_independent(slab(), HEADS, HEAD_DIM, 8)
 
 
 def test_prefix_views_follow_the_slab_when_it_grows() -> None:
