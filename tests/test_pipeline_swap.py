@@ -1,9 +1,10 @@
 """Pipeline Apply (studio/controller.py, ``Studio.apply_text``) against real parts: the studio's controller
 over a real tiny engine, its API served over HTTP on 127.0.0.1 and its run store.
 
-What the Pipeline tab promises (README.md, "Pipeline"; docs/ARCHITECTURE.md): a config whose new engine does not start leaves the running
-engine serving, with the same fingerprint; a request in flight while a new engine is swapped in finishes
-on the engine it started on, and the requests after the swap run on the new engine with its fingerprint.
+What the Pipeline tab promises (README.md, "Pipeline"; docs/ARCHITECTURE.md): a config whose new engine
+does not start leaves the running engine serving, with the same fingerprint; a request in flight while a
+new engine is swapped in finishes on the engine it started on, and the requests after the swap run on the
+new engine with its fingerprint.
 """
 
 from __future__ import annotations
