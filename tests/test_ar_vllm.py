@@ -32,15 +32,20 @@ from engine.pipelines.chat import ChatARStage  # noqa: E402
 from engine.pipelines.chat.ar_vllm import VllmChatARStage  # noqa: E402
 from engine.pipelines.glm_image import GlmImageARStage  # noqa: E402
 from engine.pipelines.glm_image.ar_vllm import VllmGlmImageARStage  # noqa: E402
-from engine.stages.ar_vllm import VllmPrompt, sampling_params  # noqa: E402
+from engine.stages.ar_vllm import VllmPrompt, sampling_params, serving_threads  # noqa: E402
 from engine.stages.base import StageJob  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 
-# Token-level parity between two engines on a random model needs one torch thread on both sides: an
-# in-process vLLM engine serves with one (see engine.stages.ar_vllm._HostThreads), and reductions
-# over a different thread count may round differently and flip a near-tie in the random logits.
+# Parity between the two AR backends compares them on the same intra-op thread count, one: the
+# transformers stage runs a small model on one thread whatever the machine (engine/stages/base.py,
+# docs/batching.md "One intra-op thread per small-model stage"), and an in-process vLLM engine serves on
+# `OMP_NUM_THREADS` threads, else one (engine.stages.ar_vllm.serving_threads, docs/vllm.md). Reductions
+# over another thread count round differently and can flip a near-tie in the random logits, so the
+# module pins OMP_NUM_THREADS=1 (model_cache below) instead of inheriting it from the shell, and each
+# parity test checks both sides' count (same_thread_count). Given equal ids, the DiT stage is the same
+# code on the same thread count and seed, so the pictures' bytes follow.
 def glm_token_output_deploy() -> dict[str, Any]:
     """The tiny preset (64x64, 4 steps) with stage 0's ids also in the result and 4 sequences at once."""
     import yaml
@@ -60,6 +65,7 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMNI_STUDIO_MODEL_CACHE", str(path))
         patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("OMP_NUM_THREADS", "1")  # vLLM serves on the transformers stage's count (above)
         yield path
 
 
@@ -118,6 +124,13 @@ def chat_one_slot(model_cache: Path, data_dir: Path) -> OmniEngine:
     engine.close()
 
 
+def same_thread_count(transformers_engine: OmniEngine) -> None:
+    """Both AR backends compute on one intra-op thread: vLLM's serving count and the transformers AR
+    stage's (the module's note above). The DiT stage is the same runner on both engines, so it runs on
+    the same count on both sides by construction."""
+    assert (serving_threads(), transformers_engine.runners[0].intra_op_threads) == (1, 1)
+
+
 def run(engine: OmniEngine, prompt: str, image: Image.Image | None = None, **params: Any) -> RunFinished:
     params.setdefault("seed", 7)
     return engine.run(GenerationRequest(prompt, GenerationParams(**params), image=image))
@@ -152,6 +165,7 @@ def test_backend_choice(glm_vllm: OmniEngine, glm_transformers: OmniEngine, chat
 def test_glm_image_greedy_ids_and_image_match_transformers(
     glm_vllm: OmniEngine, glm_transformers: OmniEngine, height: int, width: int
 ) -> None:
+    same_thread_count(glm_transformers)
     prompt = f"a lighthouse on a cliff, {height}x{width}"
     ours = run(glm_vllm, prompt, height=height, width=width, temperature=0.0).outputs[0]
     reference = run(glm_transformers, prompt, height=height, width=width, temperature=0.0).outputs[0]
@@ -163,6 +177,7 @@ def test_glm_image_greedy_ids_and_image_match_transformers(
 
 
 def test_glm_image_i2i_matches_transformers(glm_vllm: OmniEngine, glm_transformers: OmniEngine) -> None:
+    same_thread_count(glm_transformers)
     image = source_image()
     ours = run(glm_vllm, "make it dusk", image=image, temperature=0.0).outputs[0]
     reference = run(glm_transformers, "make it dusk", image=image, temperature=0.0).outputs[0]
@@ -204,6 +219,9 @@ def test_glm_image_seeded_sampling_is_per_request(glm_vllm: OmniEngine) -> None:
 def test_cli_run_png_identical_across_backends(model_cache: Path, tmp_path: Path) -> None:
     from studio.cli import main
 
+    # Both runs on one intra-op thread (the module's note above): vLLM by OMP_NUM_THREADS=1, the
+    # transformers stages by their models' size, as in test_glm_image_greedy_ids_and_image_match_transformers.
+    assert serving_threads() == 1
     outputs = {}
     for backend in ("vllm", "transformers"):
         out = tmp_path / f"{backend}.png"
@@ -507,6 +525,8 @@ def test_trained_shapes_model_draws_the_same_pictures_on_vllm(model_cache: Path,
     for backend in ("vllm", "transformers"):
         engine = build_engine("tiny-glm-shapes", data_dir=data_dir, ar_backend=backend)
         try:
+            if backend == "transformers":
+                same_thread_count(engine)  # vLLM's side: serving_threads() (the module's note above)
             images = [
                 engine.run(GenerationRequest(p, GenerationParams(seed=s))).images[0] for p, s in PROMPTS
             ]
