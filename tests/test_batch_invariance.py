@@ -136,14 +136,17 @@ def test_transformers_ar_batch_invariance(env: Path, model: str, params: dict[st
 
 
 @pytest.mark.parametrize(
-    ("refuse", "path"),
+    ("refuse", "paths"),
     [
-        ("tiled", "as single-row products in one call"),  # products' tiles fail, as on some CPUs
-        ("tiled,single-row-batch", "one row per call"),  # the last resort
+        # Tiles fail (as some CPUs' products do at every tile): whichever checked fallback holds here.
+        ("tiled", ("in one call on the live rows", "as single-row products in one call", "one row per call")),
+        # Products' kernels also change with the row count, as on a Xeon (docs/batching.md).
+        ("tiled,live-rows", ("as single-row products in one call", "one row per call")),
+        ("tiled,live-rows,single-row-batch", ("one row per call",)),  # the last resort
     ],
 )
 def test_transformers_ar_guarded_fallbacks_still_share_steps(
-    env: Path, monkeypatch: pytest.MonkeyPatch, refuse: str, path: str
+    env: Path, monkeypatch: pytest.MonkeyPatch, refuse: str, paths: tuple[str, ...]
 ) -> None:
     """Where the kernels fail the tile check (forced here, whatever this CPU does), the step still
     computes the 8 rows together, with the failing functions on a fallback: the same ids and bytes as
@@ -155,7 +158,7 @@ def test_transformers_ar_guarded_fallbacks_still_share_steps(
     try:
         check(engine, {}, shared_steps=True)
         described = engine.decode_paths()[0]
-        assert "guarded fallback" in described and path in described, described
+        assert "guarded fallback" in described and any(path in described for path in paths), described
     finally:
         engine.close()
 

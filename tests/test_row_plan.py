@@ -74,7 +74,7 @@ def assert_rows_as_alone(fs: list[RowWise], plan: RowPlan) -> None:
                     assert torch.equal(together[i : i + 1], alone[start + i]), (f.name, f.mode, n, i)
 
 
-@pytest.mark.parametrize("refuse", ["", "tiled", "tiled,single-row-batch"])
+@pytest.mark.parametrize("refuse", ["", "tiled", "tiled,live-rows", "tiled,live-rows,single-row-batch"])
 def test_every_plan_gives_each_row_its_alone_bits(monkeypatch: pytest.MonkeyPatch, refuse: str) -> None:
     """Whatever this CPU's checks pass (and with the fast modes refused, as where they fail), a row gets
     the same bits alone and among up to 19 rows, at any place in the batch."""
@@ -135,11 +135,30 @@ def test_a_function_that_fails_at_every_tile_falls_back_and_still_matches() -> N
     assert torch.allclose(run_step(product, x, plan.tile), F.linear(x, weight), atol=1e-5)
 
 
+def test_a_norm_that_fails_at_every_tile_runs_on_the_live_rows() -> None:
+    """A function whose rows depend on their position at every tile's row count (but not inside a call of
+    any other count) runs once on the live rows, not one call per row, and still matches."""
+    weight = torch.ones(32)
+
+    def tile_sensitive_norm(x: torch.Tensor) -> torch.Tensor:
+        y = torch.rms_norm(x, [32], weight, 1e-6)
+        if x.shape[0] in ROW_TILES:  # another kernel from the second row on, as MKL's at some counts
+            y[1:] = torch.nextafter(y[1:], torch.full_like(y[1:], 1e30))
+        return y
+
+    norm = RowWise("input_norm", tile_sensitive_norm, 32, torch.float32)
+    plan = RowPlan.choose([norm], 3)  # batches of at most 3 rows: below every tile's row count
+    assert plan.modes == {"input_norm": RowMode.LIVE_ROWS}
+    assert "input_norm in one call on the live rows" in plan.describe()
+
+
 def test_refusals_name_the_variable_and_the_allowed_values(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(REFUSE_ENV, "tiled, single-row-batch")
     assert refused_modes() == {RowMode.TILED, RowMode.SINGLE_ROW_BATCH}
     monkeypatch.setenv(REFUSE_ENV, "fast")
-    with pytest.raises(ValueError, match=rf"{REFUSE_ENV}.*'fast'.*allowed: tiled, single-row-batch"):
+    with pytest.raises(
+        ValueError, match=rf"{REFUSE_ENV}.*'fast'.*allowed: tiled, live-rows, single-row-batch"
+    ):
         refused_modes()
 
 

@@ -13,16 +13,19 @@ nothing here rests on one CPU's kernels:
   inside the tile and the contents of the other rows, which :func:`tile_holds` checks on the running
   machine (the row at every position among random rows vs. at position 0). :data:`ROW_TILES` are tried
   in order, and the first tile at which every function holds is used.
-- **Guarded fallbacks that still batch.** A function that does not hold at the chosen tile gets, if it
-  is a product, one batched call of single-row products (``baddbmm`` over (rows, 1, K): each row its own
-  1-row product), used when :func:`single_row_batches_hold` says a row's product does not change with the
-  number of rows in the call; else one call per row (``fn(x[i:i+1])``: the same call alone and batched,
-  identical by construction). Every other function of the step (attention over slabs, rotary, residual
+- **Guarded fallbacks that still batch.** A function that does not hold at the chosen tile gets, in
+  this order: one call on just the live rows, used when :func:`live_rows_hold` finds every row count
+  up to the batch's largest giving each row its alone bits at every position (typically norms and the
+  activation, whose kernels work row by row inside a call); for a product, one batched call of
+  single-row products (``baddbmm`` over (rows, 1, K): each row its own 1-row product), used when
+  :func:`single_row_batches_hold` says a row's product does not change with the number of rows in the
+  call; else one call per row (``fn(x[i:i+1])``: the same call alone and batched, identical by
+  construction). Every other function of the step (attention over slabs, rotary, residual
   adds) still runs once for all rows.
 
 :class:`RowPlan` is the outcome for one decoder, chosen once on the decode thread (its thread count
 picks kernels) and described in words for the System tab and ``/metrics``. ``OMNI_STUDIO_REFUSE_ROW_MODES``
-(``tiled``, ``single-row-batch``, comma-separated) makes the checks refuse those modes: the tests and
+(``tiled``, ``live-rows``, ``single-row-batch``, comma-separated) makes the checks refuse those modes: the tests and
 ``bench/throughput.py`` use it to run the fallbacks on a machine whose kernels pass.
 """
 
@@ -47,6 +50,7 @@ class RowMode(StrEnum):
     """How one row-wise function runs for a batch."""
 
     TILED = "tiled"  # one call per tile of rows
+    LIVE_ROWS = "live-rows"  # one call on the live rows, whatever their number
     SINGLE_ROW_BATCH = "single-row-batch"  # products only: one batched call of 1-row products
     ROW_BY_ROW = "row-by-row"  # one call per row
 
@@ -54,12 +58,10 @@ class RowMode(StrEnum):
 def refused_modes() -> frozenset[RowMode]:
     """The modes ``OMNI_STUDIO_REFUSE_ROW_MODES`` makes the checks refuse (tests and benchmarks)."""
     names = {part.strip() for part in os.environ.get(REFUSE_ENV, "").split(",") if part.strip()}
-    unknown = names - {RowMode.TILED.value, RowMode.SINGLE_ROW_BATCH.value}
+    refusable = [mode.value for mode in RowMode if mode is not RowMode.ROW_BY_ROW]
+    unknown = names - set(refusable)
     if unknown:
-        raise ValueError(
-            f"{REFUSE_ENV}: unknown mode(s) {sorted(unknown)}; allowed: "
-            f"{RowMode.TILED.value}, {RowMode.SINGLE_ROW_BATCH.value}"
-        )
+        raise ValueError(f"{REFUSE_ENV}: unknown mode(s) {sorted(unknown)}; allowed: {', '.join(refusable)}")
     return frozenset(RowMode(name) for name in names)
 
 
@@ -135,6 +137,8 @@ class RowWise:
             return torch.cat([self.fn(x[i : i + tile]) for i in range(0, x.shape[0], tile)])
         if self.mode is RowMode.SINGLE_ROW_BATCH:
             out = self.single_rows(x[:live])
+        elif self.mode is RowMode.LIVE_ROWS:
+            out = self.fn(x[:live])
         else:
             out = torch.cat([self.fn(x[i : i + 1]) for i in range(live)])
         return padded_rows(out, x.shape[0])
@@ -190,6 +194,19 @@ def single_row_batches_hold(f: RowWise, max_rows: int, generator: torch.Generato
     return True
 
 
+def live_rows_hold(f: RowWise, max_rows: int, generator: torch.Generator) -> bool:
+    """Whether one call on ``n`` rows gives each row the bits it gets in a call of its own, for every
+    ``n`` up to ``max_rows`` and every position, among two draws of random neighbours."""
+    for _ in range(2):
+        x = _random(generator, max_rows, f)
+        alone = [f.fn(x[i : i + 1]) for i in range(max_rows)]
+        for n in range(2, max_rows + 1):
+            together = f.fn(x[:n])
+            if not all(torch.equal(together[i : i + 1], alone[i]) for i in range(n)):
+                return False
+    return True
+
+
 @dataclass
 class RowPlan:
     """The tile and each function's mode, chosen by checks on the running machine (:meth:`choose`)."""
@@ -220,6 +237,8 @@ class RowPlan:
         for f in functions:
             if f.name in holding:
                 mode = RowMode.TILED
+            elif RowMode.LIVE_ROWS not in refused and live_rows_hold(f, max(max_rows, 2), generator):
+                mode = RowMode.LIVE_ROWS  # the cheapest fallback: one kernel call, as tiled
             elif RowMode.SINGLE_ROW_BATCH not in refused and single_row_batches_hold(
                 f, max(max_rows, 2), generator
             ):
@@ -253,6 +272,7 @@ class RowPlan:
             groups.setdefault(mode, []).append(name)
         words = {
             RowMode.SINGLE_ROW_BATCH: "as single-row products in one call",
+            RowMode.LIVE_ROWS: "in one call on the live rows",
             RowMode.ROW_BY_ROW: "one row per call",
         }
         return (
