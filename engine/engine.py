@@ -234,7 +234,7 @@ class _Ticket:
     @property
     def client(self) -> str:
         """Whom the job is served for in the stage queue's round-robin (its request, when anonymous)."""
-        return self.handle.resolved.request.client or f"request:{self.handle.request_id}"
+        return self.job.client
 
 
 class RequestHandle:
@@ -279,6 +279,7 @@ class _StageWorker:
         self.stopping = False
         self.running = 0  # batch runners: batches running now (one per worker thread)
         self.in_flight = 0  # concurrent runners: jobs handed to the runner and not yet done
+        self.in_flight_by_client: dict[str, int] = {}
         # One thread per batch the runner can take at once: 1 in-process, one per replica on Ray.
         slots = 1 if runner.concurrent else max(1, int(runner.parallel_batches))
         self.threads = [
@@ -398,11 +399,29 @@ class _StageWorker:
                 with self.cond:
                     self.running -= 1
 
+    def _may_hand_next(self) -> bool:
+        """Whether the next job in fair order goes to the concurrent runner now (callers hold ``cond``):
+        below max_num_seqs in flight, or, where the runner pauses rows, a client with nothing in flight
+        here while another holds several (fair admission, docs/batching.md): it joins the running steps
+        at once instead of waiting for a slot, and the runner pauses one of the other client's rows. At
+        most max_num_seqs such jobs at once."""
+        if not self.queue:
+            return False
+        limit = self.runner.max_batch_size
+        if self.in_flight < limit:
+            return True
+        if not self.runner.pauses_rows or self.in_flight >= 2 * limit:
+            return False
+        newcomer = self.fair_order()[0].client
+        holding = self.in_flight_by_client
+        return not holding.get(newcomer) and max(holding.values(), default=0) > 1
+
     def _concurrent_loop(self) -> None:
-        """Hand jobs to a runner with its own scheduler, keeping at most max_num_seqs in flight."""
+        """Hand jobs to a runner with its own scheduler, keeping at most max_num_seqs in flight (past it
+        only by fair admission, :meth:`_may_hand_next`)."""
         while True:
             with self.cond:
-                while not self.stopping and (not self.queue or self.in_flight >= self.runner.max_batch_size):
+                while not self.stopping and not self._may_hand_next():
                     self.cond.wait()
                 if self.stopping:
                     return
@@ -413,6 +432,8 @@ class _StageWorker:
                 else:
                     cancelled = False
                     self.in_flight += 1
+                    client = ticket.client
+                    self.in_flight_by_client[client] = self.in_flight_by_client.get(client, 0) + 1
             if cancelled:
                 self.engine._job_done(ticket, StageStatus.CANCELLED, None, time.time(), time.time(), 1)
                 continue
@@ -426,8 +447,11 @@ class _StageWorker:
                 started: float = started,
             ) -> None:
                 with self.cond:
-                    batch_size = self.in_flight
+                    batch_size = min(self.in_flight, self.runner.max_batch_size)
                     self.in_flight -= 1
+                    left = self.in_flight_by_client.pop(ticket.client) - 1
+                    if left:
+                        self.in_flight_by_client[ticket.client] = left
                     self.cond.notify_all()
                 if status == StageStatus.SUCCEEDED and ticket.job.cancelled:
                     status = StageStatus.CANCELLED
@@ -726,6 +750,7 @@ class OmniEngine:
             emit=handle.emit,
             accumulator=OutputAccumulator(self._modalities[stage.stage_id]),
             cancel_event=handle.cancel_event,
+            client=request.client or f"request:{handle.request_id}",
         )
         variant.jobs[stage.stage_id] = job
         self.workers[stage.stage_id].submit(_Ticket(job, handle, variant, stage, time.time()))

@@ -138,3 +138,66 @@ def test_waiting_requests_are_served_round_robin_across_clients(tmp_path):
         assert started.index("quiet") <= 2, started
     finally:
         engine.close()
+
+
+def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(tmp_path):
+    """Fair admission (docs/batching.md): one client holds both AR slots with long decodes and queues
+    more; another client's short request joins the running steps at once (one of the busy rows paused),
+    so it starts and finishes its decode while both busy rows are still decoding, in steps of at most
+    max_num_seqs rows. Without it, the newcomer would wait for a slot: a busy decode has ~16x its tokens.
+    The paused row loses nothing: its picture equals the one it draws alone."""
+    import threading
+
+    from engine import GenerationParams, GenerationRequest, build_engine
+    from engine.events import RunFinished, StageFinished, StageStarted
+
+    deploy = tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 2})
+    engine = build_engine("tiny-glm-image", deploy, data_dir=tmp_path)
+    log: list[tuple[str, str, int]] = []  # (event, request name, step rows)
+    images: dict[str, bytes] = {}
+    lock = threading.Lock()
+    handles = {}
+
+    def request(name: str, client: str, size: int) -> GenerationRequest:
+        params = GenerationParams(seed=len(name), height=size, width=size, num_inference_steps=1)
+        return GenerationRequest(f"a lighthouse, {name}", params, client=client)
+
+    def run(name: str, client: str, size: int) -> None:
+        resolved = engine.resolve(request(name, client, size))
+
+        def sink(event) -> None:
+            with lock:
+                if isinstance(event, StageStarted) and event.stage_id == 0:
+                    log.append(("started", name, 0))
+                if isinstance(event, StageFinished) and event.stage_id == 0:
+                    log.append(("finished", name, event.step_rows))
+                if isinstance(event, RunFinished) and event.images:
+                    images[name] = event.images[0].tobytes()
+
+        handles[name] = engine.submit(resolved, sink)
+
+    def names(kind: str) -> list[str]:
+        with lock:
+            return [name for event, name, _ in log if event == kind]
+
+    try:
+        run("busy-1", "busy", 256)
+        run("busy-2", "busy", 256)
+        wait_for(lambda: len(names("started")) == 2, 60)
+        run("busy-3", "busy", 64)  # queued: both slots are taken by the busy client
+        wait_for(lambda: engine.waiting_depths()[0] == 1, 30)
+        run("quiet", "quiet", 64)
+        wait_for(lambda: "quiet" in images, 120)
+        with lock:
+            events = list(log)
+        started_quiet = events.index(("started", "quiet", 0))
+        finished_quiet = next(i for i, e in enumerate(events) if e[:2] == ("finished", "quiet"))
+        busy_finished = [i for i, e in enumerate(events) if e[0] == "finished" and e[1].startswith("busy")]
+        assert not busy_finished or min(busy_finished) > finished_quiet, events  # decoded beside both
+        assert events[finished_quiet][2] == 2, events  # in steps of max_num_seqs rows (one busy paused)
+        assert "busy-3" not in names("started")[: started_quiet + 1], events  # ahead of the queued one
+        wait_for(lambda: len(images) == 4, 300)
+        paused = engine.run(request("busy-2", "alone", 256))
+        assert paused.images[0].tobytes() == images["busy-2"]
+    finally:
+        engine.close()

@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from abc import abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -118,7 +119,7 @@ class FastDecoder(Protocol):
         """How ``step`` batches rows on this machine, in words (which kernel checks passed)."""
 
 
-@dataclass
+@dataclass(eq=False)  # rows compare by identity
 class _Row:
     """One request in the lean loop."""
 
@@ -249,6 +250,10 @@ class TransformersARStage(StageRunner):
     def concurrent(self) -> bool:  # type: ignore[override]  # a class attribute on the base; here a model's
         return self.fast_decoder() is not None
 
+    @property
+    def pauses_rows(self) -> bool:  # type: ignore[override]  # the lean loop steps at most max_num_seqs rows
+        return self.concurrent
+
     _inbox: queue.SimpleQueue[tuple[StageJob, JobDone] | None] | None = None
     _scheduler: threading.Thread | None = None
 
@@ -322,9 +327,35 @@ class TransformersARStage(StageRunner):
             done(StageStatus.FAILED, exc)
         return None
 
+    def _stepping(self, rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
+        """The rows that take a step now and those paused. Up to max_num_seqs all step; past it (the
+        engine's fair admission gave a client with nothing here a row while another held several), the
+        client holding the most stepping rows has its newest paused, until the count is back at
+        max_num_seqs. A paused row keeps its cache and logits and resumes when a row leaves: the same
+        tokens, a little later (docs/batching.md, "Fair admission")."""
+        limit = max(1, self.max_batch_size)
+        if len(rows) <= limit:
+            return rows, []
+        stepping, paused = list(rows), []
+        while len(stepping) > limit:
+            held = Counter(row.job.client for row in stepping)
+            most = max(held.values())
+            row = next(r for r in reversed(stepping) if held[r.job.client] == most)
+            stepping.remove(row)
+            paused.append(row)
+        return stepping, paused
+
     def _advance(self, rows: list[_Row]) -> list[_Row]:
-        """One token for every row; finished rows report done at once. Returns the rows still decoding."""
+        """One token for every stepping row (:meth:`_stepping`); finished rows report done at once.
+        Returns the rows still decoding."""
         decoder = self.fast_decoder()
+        rows_in_order = rows  # admission order: which row is newest
+        rows, paused = self._stepping(rows)
+        for row in paused:
+            if row.job.cancelled:
+                row.done = True
+                self._end_row(row, StageStatus.CANCELLED)
+        paused = [row for row in paused if not row.done]
         try:
             tokens = self._next_tokens(rows)
             for row in rows:
@@ -342,12 +373,15 @@ class TransformersARStage(StageRunner):
                     row.logits = logits[i : i + 1]
                     scratch = row.job.scratch
                     scratch["step_rows"] = max(scratch.get("step_rows", 0), len(live))
-            return live
+            if not paused:
+                return live
+            kept = {id(row) for row in live + paused}
+            return [row for row in rows_in_order if id(row) in kept]
         except Exception as exc:  # a failing forward fails the rows in it, never the stage
             for row in rows:  # rows that already reported are skipped by _end_row
                 row.done = True
                 self._end_row(row, StageStatus.FAILED, exc)
-            return []
+            return paused
 
     def _end_row(self, row: _Row, status: StageStatus, error: Exception | None = None) -> None:
         decoder = self.fast_decoder()

@@ -36,6 +36,7 @@ class StageJob:
     emit: Callable[[EngineEvent], None]
     accumulator: OutputAccumulator
     cancel_event: threading.Event = field(default_factory=threading.Event)
+    client: str = ""  # whom the job is for (the engine's fair queues; empty: a client of its own)
     scratch: dict[str, Any] = field(default_factory=dict)  # runner-private state between calls
     input_tokens: int = 0
     output_tokens: int = 0
@@ -94,11 +95,13 @@ class StageRunner(ABC):
     batch of compatible jobs and returns when they are done. A runner with its own scheduler (vLLM's
     continuous batching) sets ``concurrent = True`` and implements ``submit`` instead: the worker hands it
     each job as it arrives, up to ``max_num_seqs`` in flight, and the runner calls ``done`` when the job
-    finishes.
+    finishes. A concurrent runner that ``pauses_rows`` may be handed more (docs/batching.md, "Fair
+    admission"): it then steps at most ``max_num_seqs`` jobs at a time, pausing others.
     """
 
     kind: str = ""
     concurrent: bool = False
+    pauses_rows: bool = False
     # Batches the engine may run at once (one worker thread each): 1 in-process; a stage with several
     # Ray replicas runs one batch per replica (engine/distributed/ray_stage.py).
     parallel_batches: int = 1
