@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--check-devices",
         action="store_true",
-        help="also check that the GPUs named in `devices` exist on this machine",
+        help="also check that the GPUs named in `devices` exist on this machine and that each device holds "
+        "its stages' memory, estimated from the checkpoint without loading it (docs/memory.md)",
     )
 
     history = command(
@@ -490,6 +491,20 @@ def cmd_validate(args: argparse.Namespace, settings: StudioSettings) -> int:
         config = build_pipeline_config(source, args.file, settings.ar_backend)
         if args.check_devices:
             problems = device_problems(config)
+            # Each stage's memory from the checkpoint's files, never loaded (docs/memory.md); a built-in
+            # model is built into the model cache first (cheap: tiny models).
+            from engine.memory_estimate import CheckpointError, estimate_memory
+            from engine.models import materialize
+            from engine.paths import model_cache_dir
+
+            try:
+                path = materialize(source, model_cache_dir(settings.data_dir)).path
+                assert path is not None
+                estimate = estimate_memory(config, path)
+            except CheckpointError as exc:
+                raise UserError(f"cannot estimate memory: {exc}") from exc
+            print(estimate.report())
+            problems += estimate.problems()
             if problems:
                 raise DeployConfigError(problems, source=args.file)
     except DeployConfigError as exc:
