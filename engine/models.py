@@ -1,4 +1,5 @@
-"""Resolving ``--model`` (a built-in name or a local HF-format folder) to a folder, a family and an identity."""
+"""Resolving ``--model`` (a built-in name, a local HF-format folder or a Hugging Face Hub id) to a folder, a
+family and an identity."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from engine.hub import HubModel, HubModelUnavailable, cached_snapshot, parse_hub_id, resolve_hub_model
 from engine.paths import DEPLOY_PRESETS_DIR, MODEL_RECIPES_DIR
 from engine.pipelines import PipelineFamily, detect_family, get_family
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL, ensure_builtin_model
@@ -21,10 +23,10 @@ class ModelNotFound(ValueError):
 class ModelSource:
     """A model to serve: where its files are and what it is."""
 
-    name: str  # the built-in name or the folder's name: the default served model name
+    name: str  # the built-in name, the folder's name or the hub id ORG/NAME: the default served model name
     path: Path | None  # None until a built-in model is built (see :func:`materialize`)
     family: PipelineFamily
-    identity: str  # enters the config hash: stable across machines
+    identity: str  # enters the config hash: stable across machines (a hub model's names its commit)
     builtin: bool
 
     @property
@@ -44,22 +46,39 @@ def _folder_identity(path: Path) -> str:
 
 
 def describe_model(model: str | None) -> ModelSource:
-    """What ``model`` is, without building anything (for validation and listings)."""
+    """What ``model`` is: a built-in name, else a local folder, else a Hub id ``ORG/NAME[@REVISION]``.
+
+    Nothing is built, but a hub model must be in the Hugging Face cache to be described (its family is
+    read from its files): one that is not is downloaded here, unless HF_HUB_OFFLINE is set (engine/hub.py).
+    """
     name = model or DEFAULT_MODEL
     if name in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[name]
         return ModelSource(name, None, get_family(builtin.family), builtin.identity, True)
     path = Path(name).expanduser()
-    if not path.is_dir():
-        raise ModelNotFound(
-            f"model {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a local folder"
-        )
-    path = path.resolve()
-    return ModelSource(path.name, path, detect_family(path), _folder_identity(path), False)
+    if path.is_dir():
+        path = path.resolve()
+        snapshot = cached_snapshot(path)  # a hub snapshot handed on by path keeps its id and commit
+        if snapshot is not None:
+            return _hub_source(snapshot)
+        return ModelSource(path.name, path, detect_family(path), _folder_identity(path), False)
+    neither = f"model {name!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a local folder"
+    hub_id = parse_hub_id(name)
+    if hub_id is None:
+        raise ModelNotFound(f"{neither}, nor a Hugging Face model id ORG/NAME[@REVISION]")
+    try:
+        return _hub_source(resolve_hub_model(*hub_id))
+    except HubModelUnavailable as exc:
+        raise ModelNotFound(f"{neither}, and {exc}") from exc
+
+
+def _hub_source(model: HubModel) -> ModelSource:
+    return ModelSource(model.repo_id, model.path, detect_family(model.path), model.identity, False)
 
 
 def materialize(source: ModelSource, cache_dir: Path) -> ModelSource:
-    """Make sure the model's files exist (building a built-in model into ``cache_dir`` once)."""
+    """Make sure the model's files exist (building a built-in model into ``cache_dir`` once; a folder or a
+    hub snapshot is already there: :func:`describe_model` found or downloaded it)."""
     if source.path is not None:
         return source
     path = ensure_builtin_model(source.name, cache_dir)
