@@ -6,21 +6,22 @@ test-only ``OMNI_STUDIO_TEST_LOAD_DELAY_S`` (studio/launch.py).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from studio.launch import LOAD_DELAY_ENV, UI_DELAY_ENV, BackgroundServer
-from studio.starting import StartingApp
+from studio.launch import LOAD_DELAY_ENV, UI_DELAY_ENV
 from tests.servers import free_port
 
 CHAT = {
@@ -130,10 +131,13 @@ def refused_while_loading_are_recorded(data_dir: Path, expected: int) -> None:
 
 def test_serve_answers_while_the_engine_loads_then_serves(tmp_path):
     with starting(["serve"], tmp_path) as server:
+        # The first answer comes while the engine still loads (how soon is bench/startup.py's business).
         health, after_s = server.first_answer("/health")
         assert health.status_code == 503, f"answered {health.status_code} after {after_s:.1f} s"
-        assert after_s < 15, f"/health first answered {after_s:.1f} s after the start"
         assert_not_ready(server)
+        # Then the real API takes the requests while the engine loads: its own 503 carries Retry-After too.
+        models = wait_until(server, lambda: _api_not_ready(httpx.get(server.url + "/v1/models", timeout=5)))
+        assert int(models.headers["retry-after"]) > 0 and models.json()["error"]["code"] == "engine_not_ready"
         server.wait_ready()
         refused_while_loading_are_recorded(tmp_path, 1)
         assert httpx.get(server.url + "/health", timeout=5).json()["status"] == "ok"
@@ -144,14 +148,54 @@ def test_serve_answers_while_the_engine_loads_then_serves(tmp_path):
         assert start_up_settled_the_collector(server)
 
 
-def start_up_settled_the_collector(server: Any) -> bool:
-    """The start-up's objects were frozen, and with that the garbage collector turned back on
-    (engine/environment.py; tests/test_environment.py checks the pair)."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    frozen = next(
-        float(line.split()[-1]) for line in text.splitlines() if line.startswith("omni_studio_gc_frozen")
+def _api_not_ready(response: httpx.Response) -> httpx.Response | None:
+    """``response`` when it is the real API's 503 (not the loading app's: that one names the model)."""
+    if response.status_code == 503 and "starting or being rebuilt" in response.json()["error"]["message"]:
+        return response
+    assert response.status_code == 503, response.text  # the engine must still be loading
+    return None
+
+
+def wait_until(server: Any, probe: Any, timeout: float = 240) -> Any:
+    """Poll ``probe()`` until it returns something truthy (the deadline only bounds a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.process.poll() is None, server.log()
+        with contextlib.suppress(httpx.TransportError):
+            found = probe()
+            if found:
+                return found
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.1)
+
+
+def _gc_metrics(server: Any) -> tuple[float, float]:
+    """(objects frozen at the end of start-up, generation-0 collections so far) from ``/metrics``."""
+    lines = httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+    frozen = next(float(line.split()[-1]) for line in lines if line.startswith("omni_studio_gc_frozen"))
+    gen0 = next(
+        float(line.split()[-1])
+        for line in lines
+        if line.startswith("python_gc_collections_total") and 'generation="0"' in line
     )
-    return frozen > 100_000
+    return frozen, gen0
+
+
+def start_up_settled_the_collector(server: Any) -> bool:
+    """The start-up's objects were frozen once, and the garbage collector is back on: serving requests
+    runs collections again (engine/environment.py; tests/test_environment.py checks the pair)."""
+    frozen, collections = _gc_metrics(server)
+
+    def collected() -> bool:  # how many requests that takes depends on what they leave allocated
+        response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
+        assert response.status_code == 200, response.text
+        return _gc_metrics(server)[1] > collections
+
+    wait_until(server, collected)
+    # Frozen objects that die later leave the count: it may shrink, never grow (no second freeze).
+    frozen_after = _gc_metrics(server)[0]
+    assert 0 < frozen_after <= frozen, (frozen, frozen_after)
+    return True
 
 
 @pytest.mark.browser  # a live studio through gradio_client, like tests/test_ui_client.py
@@ -159,16 +203,13 @@ def test_ui_shows_the_loading_state_then_works(tmp_path):
     from gradio_client import Client
 
     with starting(["ui", "--ar-backend", "transformers"], tmp_path, ui_delay_s=20) as server:
-        page, after_s = server.first_answer("/")
-        assert page.status_code == 200 and after_s < 15
+        page, _ = server.first_answer("/")
+        assert page.status_code == 200
         assert "loading model tiny-glm-image" in page.text
         assert "/health" in page.text  # it polls and reloads itself when the studio is ready
         assert_not_ready(server)
         # The engine is loaded, the page still builds: the API already generates; /health says so.
-        deadline = time.monotonic() + 120
-        while httpx.get(server.url + "/health", timeout=5).json().get("api") != "ready":
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.2)
+        wait_until(server, lambda: httpx.get(server.url + "/health", timeout=5).json().get("api") == "ready")
         response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
         assert response.status_code == 200, response.text
         health = httpx.get(server.url + "/health", timeout=5)
@@ -225,91 +266,83 @@ def test_a_taken_port_is_a_clear_start_up_error(tmp_path):
     assert done.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
-def test_starting_app_answers_and_then_hands_over():
-    async def scenario() -> list[httpx.Response]:
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse
+@pytest.mark.browser  # a live studio, like test_ui_shows_the_loading_state_then_works
+def test_ui_finishes_a_request_in_flight_across_the_hand_over_to_gradio(tmp_path):
+    """`ui` serves the API from its loading server before Gradio's launch() takes the port (studio/launch.py;
+    README, first section). A request that is in the middle of arriving when the port moves still gets its
+    whole answer, from the loading server; the requests after it go to the studio.
 
-        front = StartingApp("some-model", page=True)
-        transport = httpx.ASGITransport(app=front)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            answers = [await client.get("/"), await client.get("/health"), await client.post("/v1/x")]
-            real = FastAPI()
-            real.add_api_route("/health", lambda: JSONResponse({"status": "rebuilding"}, 503))
-            real.add_api_route("/v1/models", lambda: {"data": []})
-            front.target = real
-            answers += [await client.get("/health"), await client.get("/v1/models")]
-        return answers
+    The request's body is sent in two parts, the second only once the studio has the port: it is in
+    flight across the hand-over whatever the machine's speed.
+    """
+    with starting(["ui", "--ar-backend", "transformers"], tmp_path, delay_s=0, ui_delay_s=20) as server:
+        wait_until(server, lambda: httpx.get(server.url + "/health", timeout=5).json().get("api") == "ready")
+        body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "across the hand-over"}]})
+        first_part_sent, handed_over = threading.Event(), threading.Event()
 
-    page, health, api, handed_health, handed_models = asyncio.run(scenario())
-    assert page.status_code == 200 and "loading model some-model" in page.text
-    assert health.status_code == 503 and health.headers["retry-after"] == "2"
-    assert api.status_code == 503 and api.json()["error"]["code"] == "engine_not_ready"
-    assert handed_health.status_code == 503 and handed_health.headers["retry-after"] == "2"
-    assert handed_models.status_code == 200 and handed_models.json() == {"data": []}
+        def parts() -> Iterator[bytes]:
+            yield body[:20].encode()
+            first_part_sent.set()
+            handed_over.wait(240)
+            yield body[20:].encode()
 
+        answers: list[httpx.Response | BaseException] = []
 
-def test_starting_app_serves_the_api_before_the_page():
-    async def scenario() -> list[httpx.Response]:
-        from fastapi import FastAPI
+        def send() -> None:
+            try:
+                answers.append(
+                    httpx.post(
+                        server.url + "/v1/chat/completions",
+                        content=parts(),
+                        headers={"content-type": "application/json"},
+                        timeout=240,
+                    )
+                )
+            except BaseException as exc:  # reported by the assertions below
+                answers.append(exc)
 
-        front = StartingApp("some-model", page=True)
-        api = FastAPI()
-        api.add_api_route("/v1/models", lambda: {"data": [{"id": "some-model"}]})
-        front.api = api
-        transport = httpx.ASGITransport(app=front)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return [await client.get("/"), await client.get("/health"), await client.get("/v1/models")]
-
-    page, health, models = asyncio.run(scenario())
-    assert page.status_code == 200 and "loading model some-model" in page.text
-    assert health.status_code == 503 and health.json() == {"status": "starting", "api": "ready"}
-    assert models.status_code == 200 and models.json()["data"][0]["id"] == "some-model"
-
-
-def test_the_loading_server_frees_its_port_at_once_and_finishes_requests_in_flight(tmp_path):
-    """The UI's hand-over: the port is free for Gradio while a generation sent earlier still finishes."""
-    import socket
-    import threading
-
-    from studio.launch import listen
-    from studio.settings import StudioSettings
-
-    async def slow(scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        await asyncio.sleep(2)
-        await send(
-            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
-        )
-        await send({"type": "http.response.body", "body": b"finished"})
-
-    port = free_port()
-    server = BackgroundServer(slow, listen(StudioSettings(data_dir=tmp_path, host="127.0.0.1", port=port)))
-    url = f"http://127.0.0.1:{port}/v1/anything"
-    deadline = time.monotonic() + 10
-    while True:  # the server is up when it accepts
+        client = threading.Thread(target=send)
+        client.start()
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    answers: list[httpx.Response] = []
-    client = threading.Thread(target=lambda: answers.append(httpx.get(url, timeout=30)))
-    client.start()
-    time.sleep(0.5)  # the request is in flight
-    started = time.monotonic()
-    server.stop()
-    assert time.monotonic() - started < 1.5, "stop() waited for the request in flight"
-    with socket.socket() as successor:  # what launch() does next: bind the same port
-        successor.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        successor.bind(("127.0.0.1", port))
-    client.join(timeout=30)
-    assert answers and answers[0].status_code == 200 and answers[0].text == "finished"
+            assert first_part_sent.wait(240)
+            # Answered after the request was accepted, by the loading server: the request is on it.
+            health = httpx.get(server.url + "/health", timeout=5)
+            assert health.json() == {"status": "starting", "api": "ready"}, "the hand-over came too early"
+
+            server.wait_ready()  # Gradio's launch() has the port now
+            page = wait_until(server, lambda: _studio_page(server))
+            assert "loading model" not in page
+            assert not answers, "the request in flight was answered before its body was complete"
+        finally:
+            handed_over.set()
+            client.join(240)
+
+        (in_flight,) = answers
+        assert isinstance(in_flight, httpx.Response), in_flight
+        assert in_flight.status_code == 200, in_flight.text
+        part = in_flight.json()["choices"][0]["message"]["content"][0]
+        assert part["image_url"]["url"].startswith("data:image/png;base64,")
+        run_id = in_flight.headers["x-run-id"]
+
+        after = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
+        assert after.status_code == 200, after.text
+        assert after.json()["system_fingerprint"] == in_flight.json()["system_fingerprint"]
+        assert httpx.get(server.url + "/health", timeout=5).json() == {
+            "status": "ok",
+            "model": "tiny-glm-image",
+        }
+
+    from studio.store import open_store
+
+    with open_store(None, tmp_path) as store:  # the studio has stopped: every run is written
+        recorded = store.get_run(run_id)
+    assert recorded.status == "succeeded" and recorded.prompt == "across the hand-over"
+
+
+def _studio_page(server: Any) -> str | None:
+    """The page at ``/`` once it is the studio (Gradio's page, with the studio's tabs in its config)."""
+    response = httpx.get(server.url + "/", timeout=10)
+    if response.status_code != 200 or "loading model" in response.text:
+        return None
+    text = response.text
+    return text if all(f'"{tab}"' in text for tab in ("Chat", "Pipeline", "History")) else None
