@@ -139,16 +139,31 @@ class Studio:
         return text
 
     def validate_text(self, text: str, check_devices: bool = True) -> ValidationReport:
-        """Validate deploy YAML against the running model (and, by default, this machine's devices)."""
+        """Validate deploy YAML against the running model (and, by default, this machine's devices and
+        whether they hold each stage's memory, estimated from the checkpoint: docs/memory.md). The report's
+        summary carries the memory table, beside the problems too when a device is short."""
+        from engine.memory_estimate import CheckpointError, estimate_memory
+
         try:
             config = pipeline_config_from_text(self.model, text, self.ar_backend)
             # On a Ray cluster a stage's devices are its node's, not this machine's (docs/distributed.md).
-            problems = device_problems(config) if check_devices and not self.engine.ray_address else []
+            local = check_devices and not self.engine.ray_address
+            problems = device_problems(config) if local else []
         except DeployConfigError as exc:
             return ValidationReport(False, exc.problems)
+        memory = ""
+        if local and self.model.path is not None:
+            # Free memory is measured now, beside the running engine: Apply builds the new engine before
+            # it retires the old one (see _swap), so both must fit at once.
+            try:
+                estimate = estimate_memory(config, self.model.path)
+                memory = estimate.report()
+                problems += estimate.problems()
+            except CheckpointError as exc:
+                memory = f"memory not estimated: {exc}"
         if problems:
-            return ValidationReport(False, problems, config)
-        return ValidationReport(True, [], config, config.summary())
+            return ValidationReport(False, problems, config, memory)
+        return ValidationReport(True, [], config, "\n\n".join(filter(None, [config.summary(), memory])))
 
     def diff_text(self, text: str) -> str:
         """Unified diff of ``text`` against the running deploy YAML."""

@@ -200,7 +200,10 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
 
     def on_validate(text: str):
         report = studio.validate_text(text)
-        return [report_html(report), studio.diff_text(text), *form_updates(text, report)]
+        shown = report_html(report)
+        if not report.ok and report.summary:  # the memory table beside the problems (docs/memory.md)
+            shown += f"<pre class='omni-memory'>{html.escape(report.summary)}</pre>"
+        return [shown, studio.diff_text(text), *form_updates(text, report)]
 
     def on_apply(text: str):
         report = studio.apply_text(text)
