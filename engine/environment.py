@@ -10,7 +10,8 @@ def quiet_libraries() -> None:
     import os
     import sys
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded at run time
+    # HF_HUB_OFFLINE is the user's: a hub id not in the cache downloads unless it is set (engine/hub.py).
+    # Every model load reads a local folder (a built-in model's, the user's, or a resolved snapshot).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Environment first: commands that never load a model (history, validate) stay free of the import.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -300,11 +300,6 @@ def test_a_model_not_in_the_cache_downloads_into_it(tmp_path, files, stand_in_hu
     assert f"{stand_in_hub.url} has no model org/missing" in unknown.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/environment.py quiet_libraries() sets HF_HUB_OFFLINE=1 when unset, so the CLI never "
-    "downloads unless HF_HUB_OFFLINE=0 is given (issue 31)",
-)
 def test_a_user_who_never_set_hf_hub_offline_gets_the_download(tmp_path, stand_in_hub):
     cache = tmp_path / "hub"
     env = {"HF_HUB_CACHE": str(cache), "HF_ENDPOINT": stand_in_hub.url, "HF_HUB_OFFLINE": None}
