@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.config import ConfigProblem, PipelineConfig, ResolvedStage
+from engine.kv_cache import kv_bytes_per_token
 
 # The margin for activations and runtime, per stage: a fraction of its weights + KV cache, at least a floor
 # per device kind. docs/memory.md says where these numbers come from.
@@ -198,20 +199,6 @@ def text_config(component_config: Mapping[str, Any]) -> types.SimpleNamespace:
     ``get_text_config()`` of transformers that the vLLM stage reads."""
     nested = component_config.get("text_config")
     return types.SimpleNamespace(**(nested if isinstance(nested, dict) else component_config))
-
-
-def kv_bytes_per_token(hf_text_config: Any, dtype: torch.dtype) -> int:
-    """Bytes of KV cache per token: keys and values of every layer's KV heads.
-
-    The same computation as ``engine.stages.ar_vllm._kv_bytes_per_token`` (which sizes a vLLM stage's
-    KV cache on a CPU); that module imports vLLM, which the estimate must not need, so it is repeated
-    here and tests/test_memory_estimate.py checks the two agree.
-    """
-    heads = int(getattr(hf_text_config, "num_attention_heads", 1) or 1)
-    kv_heads = int(getattr(hf_text_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(hf_text_config, "head_dim", None) or hf_text_config.hidden_size // heads)
-    layers = int(hf_text_config.num_hidden_layers)
-    return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ except Exception as exc:  # a broken install (e.g. a CUDA torchvision beside CPU
 
 from engine.config import ResolvedStage
 from engine.events import FinishReason, StageStatus, TokenProgress
+from engine.kv_cache import kv_bytes_per_token
 from engine.modality import OutputModality
 from engine.request import RequestError
 from engine.stages.base import JobDone, StageJob, StageRunner
@@ -446,19 +447,11 @@ def choose_driver(device: torch.device) -> str:
     return "inproc" if device.type == "cpu" else "async"
 
 
-def _kv_bytes_per_token(hf_text_config: Any, dtype: torch.dtype) -> int:
-    heads = int(getattr(hf_text_config, "num_attention_heads", 1) or 1)
-    kv_heads = int(getattr(hf_text_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(hf_text_config, "head_dim", None) or hf_text_config.hidden_size // heads)
-    layers = int(hf_text_config.num_hidden_layers)
-    return 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-
-
 def default_cpu_kv_cache_bytes(
     hf_text_config: Any, dtype: torch.dtype, max_num_seqs: int, max_model_len: int
 ) -> int:
     """Room for every sequence at full length, at least 64 MiB and at most a quarter of the memory."""
-    wanted = _kv_bytes_per_token(hf_text_config, dtype) * max_num_seqs * max_model_len
+    wanted = kv_bytes_per_token(hf_text_config, dtype) * max_num_seqs * max_model_len
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(max(wanted, MIN_CPU_KV_CACHE_BYTES), total // 4))
 
