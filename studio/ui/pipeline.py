@@ -215,13 +215,19 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
     )
 
     def on_preset(name: str | None):
+        """The preset in the editor, its diff, and the stage form showing its values (a form left on the
+        running config would write those back over the preset on Form -> YAML)."""
         if not name:
-            return gr.skip(), gr.skip()
+            return [gr.skip()] * (2 + len(form_outputs))
         text = studio.preset_text(name)
-        return text, studio.diff_text(text)
+        return [text, studio.diff_text(text), *form_updates(text)]
 
-    load_preset.click(on_preset, [preset], [editor, diff], api_name="load_preset")
-    reset.click(lambda: (studio.deploy_text, "(no changes)"), None, [editor, diff], api_visibility="private")
+    def on_reset():
+        text = studio.deploy_text
+        return [text, "(no changes)", *form_updates(text)]
+
+    load_preset.click(on_preset, [preset], [editor, diff, *form_outputs], api_name="load_preset")
+    reset.click(on_reset, None, [editor, diff, *form_outputs], api_visibility="private")
     editor.change(
         lambda text: studio.diff_text(text),
         [editor],
