@@ -666,7 +666,16 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
     """``history ls|show|export|import``: the run store from the terminal."""
     import json
 
-    from studio.store import AmbiguousRunId, BundleError, RunFilter, RunNotFound, StoreError, open_store
+    from studio.store import (
+        AmbiguousRunId,
+        BundleError,
+        RunFilter,
+        RunNotFound,
+        StoreError,
+        export_bundle,
+        import_bundle,
+        open_store,
+    )
     from studio.store.object_files import open_output_files
     from studio.store.terminal import format_run_detail, format_run_table
 
@@ -704,11 +713,11 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
                 raise UserError(str(exc)) from exc
             print(json.dumps(run.to_dict(), indent=2, default=str) if args.json else format_run_detail(run))
         elif action == "export":
-            count = store.export_bundle(Path(args.file))
+            count = export_bundle(store, Path(args.file))
             print(f"exported {count} run{'s' if count != 1 else ''} to {args.file}")
         elif action == "import":
             try:
-                result = store.import_bundle(Path(args.file))
+                result = import_bundle(store, Path(args.file))
             except BundleError as exc:
                 raise UserError(str(exc)) from exc
             print(

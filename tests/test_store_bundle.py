@@ -13,7 +13,15 @@ pytest.register_assert_rewrite("conftest_store")  # a plugin of these tests and 
 from conftest_store import failure_events, new_database_url, record, resolved_request, success_events  # noqa: E402
 
 from engine.config import PipelineConfig  # noqa: E402
-from studio.store import BundleError, RunFilter, RunRecorder, RunStore, open_store  # noqa: E402
+from studio.store import (  # noqa: E402
+    BundleError,
+    RunFilter,
+    RunRecorder,
+    RunStore,
+    export_bundle,
+    import_bundle,
+    open_store,
+)
 
 pytest_plugins = ["conftest_store"]
 
@@ -56,8 +64,8 @@ def test_round_trip_preserves_runs_files_and_snapshots(
     filled: RunStore, target: RunStore, tmp_path: Path
 ) -> None:
     bundle = tmp_path / "history.zip"
-    assert filled.export_bundle(bundle) == 5
-    result = target.import_bundle(bundle)
+    assert export_bundle(filled, bundle) == 5
+    result = import_bundle(target, bundle)
     assert (result.imported, result.skipped) == (5, 0)
 
     before, after = snapshot(filled), snapshot(target)
@@ -74,10 +82,10 @@ def test_round_trip_preserves_runs_files_and_snapshots(
 
 def test_import_twice_adds_nothing(filled: RunStore, target: RunStore, tmp_path: Path) -> None:
     bundle = tmp_path / "history.zip"
-    filled.export_bundle(bundle)
-    target.import_bundle(bundle)
+    export_bundle(filled, bundle)
+    import_bundle(target, bundle)
     files = sorted(p.name for p in (target.data_dir / "outputs").rglob("*.*"))
-    result = target.import_bundle(bundle)
+    result = import_bundle(target, bundle)
     assert (result.imported, result.skipped) == (0, 5)
     assert target.count_runs() == 5
     assert sorted(p.name for p in (target.data_dir / "outputs").rglob("*.*")) == files
@@ -91,8 +99,8 @@ def test_import_into_a_database_with_other_runs(
     record(recorder, pipeline_config, success_events(own), own)
     recorder.close()
     bundle = tmp_path / "history.zip"
-    filled.export_bundle(bundle)
-    assert target.import_bundle(bundle).imported == 5
+    export_bundle(filled, bundle)
+    assert import_bundle(target, bundle).imported == 5
     assert target.count_runs() == 6
     # The same config was already snapshotted here; the import reused it.
     assert {r.config_hash for r in target.list_runs()} == {pipeline_config.config_hash()}
@@ -100,8 +108,8 @@ def test_import_into_a_database_with_other_runs(
 
 def test_export_a_filtered_selection(filled: RunStore, target: RunStore, tmp_path: Path) -> None:
     bundle = tmp_path / "failed.zip"
-    assert filled.export_bundle(bundle, RunFilter(status="failed")) == 1
-    assert target.import_bundle(bundle).imported == 1
+    assert export_bundle(filled, bundle, RunFilter(status="failed")) == 1
+    assert import_bundle(target, bundle).imported == 1
     [run] = target.list_runs()
     assert run.prompt == "bad one" and run.status == "failed"
     with zipfile.ZipFile(bundle) as zf:
@@ -114,10 +122,10 @@ def test_bad_bundles_are_rejected_without_importing(
     not_zip = tmp_path / "notes.txt"
     not_zip.write_text("hello")
     with pytest.raises(BundleError, match="not a history bundle"):
-        target.import_bundle(not_zip)
+        import_bundle(target, not_zip)
 
     bundle = tmp_path / "history.zip"
-    filled.export_bundle(bundle)
+    export_bundle(filled, bundle)
     corrupt = tmp_path / "corrupt.zip"
     with zipfile.ZipFile(bundle) as src, zipfile.ZipFile(corrupt, "w") as dst:
         for item in src.infolist():
@@ -126,7 +134,7 @@ def test_bad_bundles_are_rejected_without_importing(
                 data = data[:-1] + bytes([data[-1] ^ 1])
             dst.writestr(item, data)
     with pytest.raises(BundleError, match="does not match its sha256"):
-        target.import_bundle(corrupt)
+        import_bundle(target, corrupt)
     assert target.count_runs() == 0
 
     newer = tmp_path / "newer.zip"
@@ -135,7 +143,7 @@ def test_bad_bundles_are_rejected_without_importing(
         zf.writestr("runs.json", "[]")
         zf.writestr("configs.json", "{}")
     with pytest.raises(BundleError, match="newer"):
-        target.import_bundle(newer)
+        import_bundle(target, newer)
 
 
 @pytest.mark.postgres
@@ -149,7 +157,7 @@ def test_sqlite_history_moves_to_postgresql(
             record(recorder, pipeline_config, success_events(resolved), resolved)
         recorder.close()
         bundle = tmp_path / "history.zip"
-        sqlite_store.export_bundle(bundle)
+        export_bundle(sqlite_store, bundle)
         with open_store(new_database_url("postgres", tmp_path, request), tmp_path / "pg-data") as pg:
-            assert pg.import_bundle(bundle).imported == 3
+            assert import_bundle(pg, bundle).imported == 3
             assert snapshot(pg) == snapshot(sqlite_store)

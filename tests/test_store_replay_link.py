@@ -13,7 +13,14 @@ pytest.register_assert_rewrite("conftest_store")  # a plugin of these tests and 
 from conftest_store import new_database_url, resolved_request, success_events  # noqa: E402
 
 from engine.config import PipelineConfig  # noqa: E402
-from studio.store import RunFilter, RunRecorder, RunStore, open_store  # noqa: E402
+from studio.store import (  # noqa: E402
+    RunFilter,
+    RunRecorder,
+    RunStore,
+    export_bundle,
+    import_bundle,
+    open_store,
+)
 from studio.store.terminal import format_run_detail  # noqa: E402
 
 pytest_plugins = ["conftest_store"]
@@ -53,8 +60,8 @@ def test_replays_are_linked_filtered_shown_and_exported(
     assert re.search(rf"^  replay of +{original}$", format_run_detail(store.get_run(tracker.run_id)), re.M)
 
     bundle = tmp_path / "runs.zip"
-    assert store.export_bundle(bundle) == 4
+    assert export_bundle(store, bundle) == 4
     backend = "sqlite" if store.dialect == "sqlite" else "postgres"
     with open_store(new_database_url(backend, tmp_path, request), tmp_path / "other-data") as target:
-        assert target.import_bundle(bundle).imported == 4
+        assert import_bundle(target, bundle).imported == 4
         assert {r.id for r in target.list_runs(RunFilter(replay_of=original))} == {tracker.run_id, refused}

@@ -1,13 +1,17 @@
 """The run store: every run from the UI, the API and the CLI, searchable, comparable and portable.
 
 ``open_store`` gives a :class:`RunStore` (synchronous, thread-safe); wrap it in a :class:`RunRecorder` to
-record from engine events without blocking an event loop.
+record from engine events without blocking an event loop. ``export_bundle``/``import_bundle`` move runs
+between stores as one zip; they, the journal and the recorder are built on top of the store, which
+imports none of them.
 """
 
 from typing import Any
 
+from studio.store.bundle import export_bundle, import_bundle
 from studio.store.errors import AmbiguousRunId, BundleError, RunNotFound, StoreError
 from studio.store.models import ACTIVE_STATUSES, OUTPUT_KINDS, RUN_SOURCES, RUN_STATUSES
+from studio.store.opening import open_store
 from studio.store.records import (
     ImportResult,
     OutputRecord,
@@ -18,7 +22,7 @@ from studio.store.records import (
     RunSummary,
     StageRecord,
 )
-from studio.store.store import RunStore, open_store
+from studio.store.store import RunStore
 
 __all__ = [
     "ACTIVE_STATUSES",
@@ -40,6 +44,8 @@ __all__ = [
     "RunTracker",
     "StageRecord",
     "StoreError",
+    "export_bundle",
+    "import_bundle",
     "open_store",
 ]
 

@@ -86,8 +86,13 @@ def run_row(run: Run) -> dict[str, Any]:
     return row
 
 
-def export_bundle(store: RunStore, path: Path, filter: RunFilter | None = None) -> int:
-    """Write the matching runs of ``store`` to the zip ``path`` (replaced atomically); returns how many."""
+def export_bundle(store: RunStore, path: Path | str, filter: RunFilter | None = None) -> int:
+    """Write the runs of ``store`` matching ``filter`` (all by default) to one portable zip; returns how many.
+
+    ``path`` is replaced atomically. The zip holds ``manifest.json``, ``runs.json`` (rows with their
+    stages and outputs), ``configs.json`` (the snapshots they reference) and ``files/<sha256><ext>``.
+    """
+    path = Path(path)
     runs: list[dict[str, Any]] = []
     configs: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}  # sha256 -> mime
@@ -175,8 +180,13 @@ def _insert_run(connection: Connection, run: dict[str, Any]) -> None:
         connection.execute(table_of(Output).insert(), outputs)
 
 
-def import_bundle(store: RunStore, path: Path) -> ImportResult:
-    """Add the runs of the zip ``path`` that ``store`` lacks, checking every file against its hash."""
+def import_bundle(store: RunStore, path: Path | str) -> ImportResult:
+    """Add a bundle's runs to ``store``; runs whose id is already there are skipped, files are stored once.
+
+    Every file is checked against its sha256 before anything is written. Runs that were still
+    queued/running when exported are imported as interrupted. Raises :class:`BundleError`.
+    """
+    path = Path(path)
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as exc:

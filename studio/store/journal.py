@@ -8,7 +8,7 @@ write is appended to ``<data_dir>/journal/<pid>-<token>.jsonl`` instead of being
 content-addressed tree first (that needs no database), so a line names the file by its sha256.
 
 A journal's writer holds an exclusive ``flock`` on it while open. :func:`replay_journals` (called by
-``RunStore.open``, before anything is served) replays every journal nobody holds: run by run, each in one
+``open_store``, before anything is served) replays every journal nobody holds: run by run, each in one
 transaction, idempotently (:meth:`RunStore.apply_journaled`), and removes what it replayed; runs it could
 not write stay in the file for the next start. See README.md, "Run store".
 """

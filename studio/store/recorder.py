@@ -157,7 +157,7 @@ class RunRecorder:
     refuses after the retries (it is down, locked or read-only) goes to the journal in the data dir
     (:mod:`studio.store.journal`), and so does every later write of that run, to keep the run's order;
     counted in :attr:`journaled`. Once a write succeeds again the journal is replayed; what is left in
-    it when the process stops is written by the next ``RunStore.open`` on the data dir.
+    it when the process stops is written by the next ``open_store`` on the data dir.
     """
 
     def __init__(self, store: RunStore) -> None:

@@ -43,7 +43,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, joinedload, selectinload
 
-from studio.store import bundle, journal, search
+from studio.store import search
 from studio.store.errors import AmbiguousRunId, RunNotFound, StoreError
 from studio.store.files import OutputFiles
 from studio.store.models import (
@@ -59,7 +59,6 @@ from studio.store.models import (
     utcnow,
 )
 from studio.store.records import (
-    ImportResult,
     OutputRecord,
     RunCount,
     RunDetail,
@@ -193,8 +192,18 @@ class RunStore:
     # opening and closing ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, url: str | None, data_dir: Path, files: OutputFiles | None = None) -> RunStore:
-        """Connect, migrate to the newest schema, claim an owner id, interrupt orphaned runs."""
+    def open(
+        cls,
+        url: str | None,
+        data_dir: Path,
+        files: OutputFiles | None = None,
+        before_serving: Callable[[RunStore], None] | None = None,
+    ) -> RunStore:
+        """Connect, migrate to the newest schema, claim an owner id, interrupt orphaned runs.
+
+        ``before_serving`` runs on the open store just before orphans are interrupted: the journal
+        replay of :func:`studio.store.opening.open_store`, built on top of the store.
+        """
         data_dir = Path(data_dir).expanduser()
         data_dir.mkdir(parents=True, exist_ok=True)
         url = url or default_url(data_dir)
@@ -209,7 +218,8 @@ class RunStore:
             store._claim_owner()
             # Writes an earlier process could not make (database down) are made now, before serving;
             # runs they leave unfinished are then interrupted like any other orphan.
-            store.replayed_at_open = journal.replay_journals(store)
+            if before_serving is not None:
+                before_serving(store)
             store.interrupted_at_open = store.interrupt_orphaned_runs()
         except SQLAlchemyError as exc:
             store.close()
@@ -1105,23 +1115,7 @@ class RunStore:
                 for table in ("runs", "run_stages", "outputs", "config_snapshots"):
                     connection.exec_driver_sql(f"VACUUM ({'FULL, ' if vacuum else ''}ANALYZE) {table}")
 
-    # bundles --------------------------------------------------------------------------------------
-
-    def export_bundle(self, path: Path | str, filter: RunFilter | None = None) -> int:
-        """Write the runs matching ``filter`` (all by default) to one portable zip; returns how many.
-
-        The zip holds ``manifest.json``, ``runs.json`` (rows with their stages and outputs),
-        ``configs.json`` (the snapshots they reference) and ``files/<sha256><ext>``.
-        """
-        return bundle.export_bundle(self, Path(path), filter)
-
-    def import_bundle(self, path: Path | str) -> ImportResult:
-        """Add a bundle's runs; runs whose id is already here are skipped, files are stored once per hash.
-
-        Every file is checked against its sha256 before anything is written. Runs that were still
-        queued/running when exported are imported as interrupted. Raises :class:`BundleError`.
-        """
-        return bundle.import_bundle(self, Path(path))
+    # bulk work for the layers above (bundle import: studio.store.bundle) -----------------------------
 
     def existing_ids(self, ids: Sequence[str]) -> set[str]:
         """Which of ``ids`` are runs here."""
@@ -1136,12 +1130,3 @@ class RunStore:
         """A write transaction for bulk work inside the store package (bundle import)."""
         with self._write() as connection:
             yield connection
-
-
-def open_store(url: str | None, data_dir: Path, files: OutputFiles | None = None) -> RunStore:
-    """Open (creating and migrating as needed) the run store; ``url`` None means SQLite in ``data_dir``.
-
-    Runs left queued/running by a process that is gone are marked ``interrupted``; how many is in
-    ``store.interrupted_at_open``. Raises :class:`StoreError` when the database cannot be used.
-    """
-    return RunStore.open(url, data_dir, files)

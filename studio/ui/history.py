@@ -346,8 +346,10 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     delete.click(do_delete, [run_id, *filters], [detail, run_id, *search_outputs], api_name="delete_run")
 
     def do_export(*filter_values):
+        from studio.store import export_bundle
+
         target = Path(tempfile.mkdtemp()) / f"omni-studio-history-{time.strftime('%Y%m%d-%H%M%S')}.zip"
-        store.export_bundle(target, run_filter(*filter_values))
+        export_bundle(store, target, run_filter(*filter_values))
         return str(target)
 
     export.click(do_export, filters, [export_file], api_name="export_history")
@@ -355,7 +357,9 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     def do_import(path: str | None, *filter_values):
         if not path:
             return gr.skip(), *[gr.skip()] * len(search_outputs)
-        result = store.import_bundle(path)
+        from studio.store import import_bundle
+
+        result = import_bundle(store, path)
         return (
             f"Imported {result.imported} run(s); {result.skipped} already present.",
             *do_search(*filter_values),
