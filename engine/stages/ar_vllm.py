@@ -71,6 +71,10 @@ TOKEN_ID_STREAM_INTERVAL = 64
 CANCEL_POLL_S = 0.05
 DRIVERS = ("inproc", "async")
 MIN_CPU_KV_CACHE_BYTES = 64 << 20
+# vLLM's CPU KV cache pages by blocks of this many tokens and keeps one block of the pool back: a cache
+# of exactly max_num_seqs x max_model_len tokens is refused ("estimated maximum model length is" one
+# block less), so every sequence gets one block more.
+KV_BLOCK_TOKENS = 128
 
 
 class VllmStartError(RuntimeError):
@@ -450,8 +454,9 @@ def choose_driver(device: torch.device) -> str:
 def default_cpu_kv_cache_bytes(
     hf_text_config: Any, dtype: torch.dtype, max_num_seqs: int, max_model_len: int
 ) -> int:
-    """Room for every sequence at full length, at least 64 MiB and at most a quarter of the memory."""
-    wanted = kv_bytes_per_token(hf_text_config, dtype) * max_num_seqs * max_model_len
+    """Room for every sequence at full length (and a block more, :data:`KV_BLOCK_TOKENS`), at least 64 MiB
+    and at most a quarter of the memory."""
+    wanted = kv_bytes_per_token(hf_text_config, dtype) * max_num_seqs * (max_model_len + KV_BLOCK_TOKENS)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(max(wanted, MIN_CPU_KV_CACHE_BYTES), total // 4))
 
