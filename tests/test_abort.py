@@ -105,13 +105,15 @@ def image(prompt: str, steps: int = 2, side: int = 64) -> dict:
     return {"prompt": prompt, "num_inference_steps": steps, "size": f"{side}x{side}"}
 
 
-def send_raw(url: str, body: dict) -> socket.socket:
-    """POST ``body`` as JSON on a raw socket (closing it is a client going away)."""
+def send_raw(url: str, body: dict, key: str | None = None) -> socket.socket:
+    """POST ``body`` as JSON on a raw socket (closing it is a client going away); ``key``: sent as a
+    bearer token (who the client is, for the fair queues)."""
     parsed = httpx.URL(url)
     data = json.dumps(body).encode()
     sock = socket.create_connection((parsed.host, parsed.port), timeout=HANG_S)
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
     head = (
-        f"POST {parsed.raw_path.decode()} HTTP/1.1\r\nHost: {parsed.host}\r\n"
+        f"POST {parsed.raw_path.decode()} HTTP/1.1\r\nHost: {parsed.host}\r\n{auth}"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     )
     sock.sendall(head.encode() + data)

@@ -11,7 +11,7 @@ import yaml
 
 from tests.conftest import tiny_deploy
 from tests.servers import running_server
-from tests.test_abort import drop, long_chat, long_image, metric, send_raw, wait_for
+from tests.test_abort import drop, image, long_chat, metric, send_raw, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +44,20 @@ def positions(server) -> list[float]:
 
 def test_per_client_limit_queue_bound_and_positions(server):
     url = server.url + "/v1/chat/completions"
-    a1 = send_raw(url, long_chat(False), key="client-a")
+    a1 = send_raw(url, long_chat(False, "a long decode"), key="client-a")
     wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 1, 30)
-    a2 = send_raw(url, long_chat(False), key="client-a")
+    a2 = send_raw(url, long_chat(False, "a long decode"), key="client-a")
     wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 2, 10)
 
     # client a is at its limit (2): its third request is refused at once, recorded, with Retry-After
-    refused = post(server, "client-a", long_image(steps=1))
+    refused = post(server, "client-a", image("a red circle", steps=1))
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"].isdigit()
     assert refused.json()["error"]["code"] == "client_limit"
     assert refused.headers.get("x-run-id")
 
     # another client still gets in; while it waits its place in the queue is in /metrics
-    b1 = send_raw(server.url + "/v1/images/generations", long_image(steps=1), key="client-b")
+    b1 = send_raw(server.url + "/v1/images/generations", image("a red circle", steps=1), key="client-b")
     wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 3, 10)
     wait_for(lambda: positions(server) == [1.0, 2.0], 10)  # a2 behind a1, b1 behind both
     assert re.search(
@@ -65,7 +65,7 @@ def test_per_client_limit_queue_bound_and_positions(server):
     )
 
     # the queue (--max-queue 3) is full: a third client gets 429 + Retry-After
-    full = post(server, "client-c", long_image(steps=1))
+    full = post(server, "client-c", image("a red circle", steps=1))
     assert full.status_code == 429, full.text
     assert full.headers["retry-after"].isdigit()
     assert full.json()["error"]["code"] == "queue_full"
@@ -75,18 +75,18 @@ def test_per_client_limit_queue_bound_and_positions(server):
     drop(a2)
     drop(b1)
     wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 0, 5)
-    assert post(server, "client-b", long_image(steps=1)).status_code == 200
-    assert post(server, "client-a", long_image(steps=1)).status_code == 200
+    assert post(server, "client-b", image("a red circle", steps=1)).status_code == 200
+    assert post(server, "client-a", image("a red circle", steps=1)).status_code == 200
 
 
 def test_a_streamed_request_over_the_client_limit_is_a_429_not_a_chunk(server):
     url = server.url + "/v1/chat/completions"
-    held = [send_raw(url, long_chat(False), key="client-s") for _ in range(2)]
+    held = [send_raw(url, long_chat(False, "a long decode"), key="client-s") for _ in range(2)]
     try:
         wait_for(lambda: metric(server, "omni_studio_requests_in_flight") == 2, 30)
         response = httpx.post(
             url,
-            json={**long_chat(True), "height": 64, "width": 64},
+            json={**long_chat(True, "a long decode"), "height": 64, "width": 64},
             headers={"Authorization": "Bearer client-s"},
         )
         assert response.status_code == 429 and response.headers["retry-after"].isdigit()
