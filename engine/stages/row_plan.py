@@ -180,31 +180,29 @@ def tile_holds(f: RowWise, tile: int, generator: torch.Generator) -> bool:
     return True
 
 
-def single_row_batches_hold(f: RowWise, max_rows: int, generator: torch.Generator) -> bool:
-    """Whether a product's single-row batch gives each row the bits it gets in a call of its own, for
-    every row count up to ``max_rows``."""
-    if f.weight is None:
-        return False
-    x = _random(generator, max_rows, f)
-    alone = [f.single_rows(x[i : i + 1]) for i in range(max_rows)]
-    for n in range(2, max_rows + 1):
-        together = f.single_rows(x[:n])
-        if not all(torch.equal(together[i : i + 1], alone[i]) for i in range(n)):
-            return False
-    return True
-
-
-def live_rows_hold(f: RowWise, max_rows: int, generator: torch.Generator) -> bool:
-    """Whether one call on ``n`` rows gives each row the bits it gets in a call of its own, for every
-    ``n`` up to ``max_rows`` and every position, among two draws of random neighbours."""
-    for _ in range(2):
+def _rows_as_alone(
+    call: RowFunction, f: RowWise, max_rows: int, generator: torch.Generator, draws: int = 2
+) -> bool:
+    """Whether ``call`` on ``n`` rows gives each row the bits it gets in a call of its own, for every
+    ``n`` up to ``max_rows`` (so at every position), among ``draws`` draws of random neighbours."""
+    for _ in range(draws):
         x = _random(generator, max_rows, f)
-        alone = [f.fn(x[i : i + 1]) for i in range(max_rows)]
+        alone = [call(x[i : i + 1]) for i in range(max_rows)]
         for n in range(2, max_rows + 1):
-            together = f.fn(x[:n])
+            together = call(x[:n])
             if not all(torch.equal(together[i : i + 1], alone[i]) for i in range(n)):
                 return False
     return True
+
+
+def single_row_batches_hold(f: RowWise, max_rows: int, generator: torch.Generator) -> bool:
+    """Whether a product's single-row batch gives each row its alone bits at every row count."""
+    return f.weight is not None and _rows_as_alone(f.single_rows, f, max_rows, generator)
+
+
+def live_rows_hold(f: RowWise, max_rows: int, generator: torch.Generator) -> bool:
+    """Whether one call on just the live rows gives each row its alone bits at every row count."""
+    return _rows_as_alone(f.fn, f, max_rows, generator)
 
 
 @dataclass
