@@ -39,7 +39,7 @@ def main() -> None:
 
     from engine import GenerationParams, GenerationRequest, build_engine
     from engine.environment import quiet_libraries
-    from studio.launch import tune_interpreter
+    from studio.startup.launch import tune_interpreter
 
     quiet_libraries()
     tune_interpreter()  # as in the server process, so both sides run alike

@@ -7,7 +7,7 @@ first run on a machine), each repeat times:
 - placeholder: the first 200 on `/` with the loading page (ui) or the first answer of any status on
   `/health` (serve): the port is held and clients are told to wait;
 - page-ready (ui only): `/` serves the studio's own page, i.e. the Gradio config inlined in the HTML lists
-  the studio's tabs (studio/ui/app.py), not the loading page (studio/starting.py);
+  the studio's tabs (studio/ui/app.py), not the loading page (studio/startup/starting.py);
 - generate-ready: the first successful chat completion (tried ten times a second, every 503 or refused
   connection retried: in `ui` mode the API serves before Gradio is even imported);
 - /health 200: the whole studio is up (for `ui`, the Gradio page too);
@@ -50,7 +50,7 @@ FLOORS = {
 }
 # The studio's tabs (studio/ui/app.py, build_ui): page-ready is when the page served on `/` lists them all.
 STUDIO_TABS = {"Chat", "Pipeline", "Serving", "History", "System", "Batch", "Queue"}
-LOADING_MARK = 'id="omni-loading"'  # the loading page's paragraph (studio/starting.py, LOADING_PAGE)
+LOADING_MARK = 'id="omni-loading"'  # the loading page's paragraph (studio/startup/starting.py, LOADING_PAGE)
 GRADIO_CONFIG = re.compile(r"window\.gradio_config\s*=\s*(\{.*?\});\s*</script>", re.S)
 POLL_S = 0.02  # placeholder: a GET answered by the loading server
 # Afterwards every try lands on the loading server too (a POST it refuses with 503 and records as a refused

@@ -38,7 +38,7 @@ from engine.engine import build_pipeline_config  # noqa: E402
 from engine.events import RunFinished, RunOutput, StageFinished, StageStarted  # noqa: E402
 from engine.models import describe_model  # noqa: E402
 from engine.request import GenerationParams, GenerationRequest, ResolvedRequest  # noqa: E402
-from studio.media import png_bytes  # noqa: E402
+from studio.media.images import png_bytes  # noqa: E402
 from studio.store import RunFilter, RunRecorder, RunStore, open_store  # noqa: E402
 
 RECORD_TARGET_MS = 5.0

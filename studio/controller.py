@@ -32,7 +32,7 @@ from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import UnknownModelFamily
 from engine.tiny import BUILTIN_MODELS
 from studio.api.app import ServingState
-from studio.runs import Queued, RunRejected, RunService
+from studio.runs.service import Queued, RunRejected, RunService
 from studio.store.files import OutputFiles
 
 log = logging.getLogger("omni_studio")
@@ -358,8 +358,8 @@ class Studio:
 
     def request_from_run(self, run_id: str) -> tuple[GenerationRequest, Any]:
         """The request that reproduces a recorded run: same prompt, parameters, seed and source image
-        (what a replay sends: :func:`studio.replay.request_for_replay`)."""
-        from studio.replay import request_for_replay
+        (what a replay sends: :func:`studio.replay.replayer.request_for_replay`)."""
+        from studio.replay.replayer import request_for_replay
 
         if self.store is None:
             raise RuntimeError("the studio runs without a run store")

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from studio.api.app import ServingOptions, ServingState, create_app
-from studio.limits import InputLimits
+from studio.startup.limits import InputLimits
 
 
 @pytest.fixture()

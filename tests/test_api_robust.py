@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from studio.api.app import ServingOptions, ServingState, create_app
-from studio.limits import InputLimits
+from studio.startup.limits import InputLimits
 from studio.store import RunFilter
 
 pytest_plugins = ["conftest_store"]

@@ -251,7 +251,7 @@ def test_an_unusable_object_store_fails_at_start_naming_it(s3_endpoint: str, tmp
 def test_ray_is_not_imported_without_a_ray_address():
     """Embedded mode stays free of Ray: importing the studio and the engine never loads it."""
     code = (
-        "import sys, engine.engine, studio.cli, studio.launch, studio.store.object_files; "
+        "import sys, engine.engine, studio.cli, studio.startup.launch, studio.store.object_files; "
         "print(json.dumps(sorted(m for m in ('ray', 's3fs') if m in sys.modules)))"
     )
     out = subprocess.run(

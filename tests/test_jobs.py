@@ -23,14 +23,14 @@ import yaml
 from PIL import Image
 
 from studio.cli import main
-from studio.grid import compose_grid, grid_layout
-from studio.inflight import RequestBoard
-from studio.job_spec import JobSpec, JobSpecError, load_job_file, parse_job_spec
-from studio.jobs import JobService, cell_request
-from studio.limits import InputLimits
-from studio.queue import QueueError, QueueView, Viewer
-from studio.recipes import RecipeError, read_recipe
-from studio.runs import RunService
+from studio.jobs.grid import compose_grid, grid_layout
+from studio.jobs.service import JobService, cell_request
+from studio.jobs.spec import JobSpec, JobSpecError, load_job_file, parse_job_spec
+from studio.recipes.recipe import RecipeError, read_recipe
+from studio.runs.inflight import RequestBoard
+from studio.runs.queue import QueueError, QueueView, Viewer
+from studio.runs.service import RunService
+from studio.startup.limits import InputLimits
 from studio.store import RunFilter, open_store
 from studio.store.jobs import JobStore
 from tests.servers import start_server

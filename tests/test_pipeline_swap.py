@@ -67,8 +67,8 @@ def live(tmp_path, model_cache) -> Iterator[LiveStudio]:
     from engine.models import describe_model, materialize
     from studio.api.app import ServingState, create_app
     from studio.controller import Studio
-    from studio.launch import BackgroundServer, close_recorder, listen, open_recorder, serving_options
-    from studio.settings import StudioSettings
+    from studio.startup.launch import BackgroundServer, close_recorder, listen, open_recorder, serving_options
+    from studio.startup.settings import StudioSettings
 
     built = materialize(describe_model("tiny-diffusion"), model_cache)
     assert built.path is not None

@@ -23,8 +23,8 @@ from PIL.PngImagePlugin import PngInfo
 
 from studio import __version__
 from studio.cli import main
-from studio.recipe_runs import BY_FILE, BY_RECIPE, runs_for_png
-from studio.recipes import A1111, RecipeError, RecipeStamper, RunRecipe, read_recipe
+from studio.recipes.recipe import A1111, RecipeError, RecipeStamper, RunRecipe, read_recipe
+from studio.recipes.runs import BY_FILE, BY_RECIPE, runs_for_png
 from tests.servers import running_server
 
 pytest.register_assert_rewrite("conftest_store")

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from studio.api.app import ServingOptions, ServingState, create_app
 from studio.api.refusals import MAX_REFUSALS, WINDOW_S, RefusalRate
-from studio.limits import InputLimits
+from studio.startup.limits import InputLimits
 
 CHAT = "/v1/chat/completions"
 LIMITS = InputLimits(max_body_bytes=300_000, max_prompt_chars=1000)

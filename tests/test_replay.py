@@ -15,8 +15,8 @@ from PIL import Image
 
 from studio import __version__
 from studio.cli import main
-from studio.replay import unserved_fingerprint
-from studio.replay_report import compare_runs, pixel_difference
+from studio.replay.replayer import unserved_fingerprint
+from studio.replay.report import compare_runs, pixel_difference
 from studio.store import RunFilter, open_store
 from tests.conftest import tiny_deploy
 
@@ -35,7 +35,7 @@ def history(tmp_path_factory) -> tuple[Path, list[str]]:
     asked for 6, recorded the way the API records them (source api, the default full fingerprint)."""
     from engine import GenerationParams, GenerationRequest, build_engine
     from studio.api.fingerprint import FingerprintSettings, system_fingerprint
-    from studio.runs import RunService
+    from studio.runs.service import RunService
     from studio.store.recorder import RunRecorder
 
     data_dir = tmp_path_factory.mktemp("replay-data")

@@ -1,7 +1,7 @@
 """Start-up: the port answers while the engine loads, then serves; a failed load still exits 1 with the message.
 
 Live `omni-studio serve` and `omni-studio ui` processes, with loading made observably slow through the
-test-only ``OMNI_STUDIO_TEST_LOAD_DELAY_S`` (studio/launch.py).
+test-only ``OMNI_STUDIO_TEST_LOAD_DELAY_S`` (studio/startup/launch.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from studio.launch import LOAD_DELAY_ENV, UI_DELAY_ENV
+from studio.startup.launch import LOAD_DELAY_ENV, UI_DELAY_ENV
 from tests.servers import free_port
 
 CHAT = {
@@ -268,7 +268,7 @@ def test_a_taken_port_is_a_clear_start_up_error(tmp_path):
 
 @pytest.mark.browser  # a live studio, like test_ui_shows_the_loading_state_then_works
 def test_ui_finishes_a_request_in_flight_across_the_hand_over_to_gradio(tmp_path):
-    """`ui` serves the API from its loading server before Gradio's launch() takes the port (studio/launch.py;
+    """`ui` serves the API from its loading server before Gradio's launch() takes the port (studio/startup/launch.py;
     README, first section). A request that is in the middle of arriving when the port moves still gets its
     whole answer, from the loading server; the requests after it go to the studio.
 

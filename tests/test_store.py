@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 from sqlalchemy import text, update
 
-from studio.media import png_bytes
+from studio.media.images import png_bytes
 from studio.store import AmbiguousRunId, RunFilter, RunNotFound, RunStore, open_store
 from studio.store.models import Run
 from studio.store.store import INTERRUPTED_ERROR

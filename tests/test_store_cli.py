@@ -173,7 +173,7 @@ def test_omni_studio_run_is_recorded(
 
     Recording itself goes through the same RunRecorder the other tests run on both databases.
     """
-    monkeypatch.setattr("studio.launch.start_engine", lambda settings: _EngineKeptOpen(tiny_engine))
+    monkeypatch.setattr("studio.startup.launch.start_engine", lambda settings: _EngineKeptOpen(tiny_engine))
     out_file = tmp_path / "fox.png"
     code = main(
         [

@@ -28,7 +28,7 @@ from conftest_store import (  # noqa: E402
 
 from engine.config import PipelineConfig  # noqa: E402
 from engine.events import StageStarted  # noqa: E402
-from studio.media import png_bytes  # noqa: E402
+from studio.media.images import png_bytes  # noqa: E402
 from studio.store import RunFilter, RunRecorder, RunStore, open_store  # noqa: E402
 
 pytest_plugins = ["conftest_store"]

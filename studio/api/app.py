@@ -55,13 +55,13 @@ from studio.api.serving_images import OpenAIServingImages
 from studio.api.serving_jobs import StudioServingJobs, job_route_docs
 from studio.api.serving_models import OpenAIServingModels
 from studio.api.signing import DEFAULT_TTL_S, URLSigner, load_secret
-from studio.inflight import RequestBoard
-from studio.limits import InputLimits
-from studio.runs import ClientSlots, Recording, RunService
+from studio.runs.inflight import RequestBoard
+from studio.runs.service import ClientSlots, Recording, RunService
+from studio.startup.limits import InputLimits
 from studio.store.files import OutputFiles
 
 if TYPE_CHECKING:
-    from studio.jobs import JobService
+    from studio.jobs.service import JobService
 
 log = logging.getLogger("omni_studio.api")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -115,8 +115,8 @@ class ServingState:
         # Per-client in-flight counts outlive handler rebuilds (fingerprint changes, engine swaps).
         self.client_slots = ClientSlots(self.options.limits.client_share)
         self.refusals = RefusalRate()  # refusals per client (studio/api/refusals.py)
-        self.board = RequestBoard()  # requests in the engine, for the Queue panel (studio/inflight.py)
-        self.jobs: JobService | None = None  # batch jobs (studio/jobs.py), set once the store is open
+        self.board = RequestBoard()  # requests in the engine, for the Queue panel (studio/runs/inflight.py)
+        self.jobs: JobService | None = None  # batch jobs (studio/jobs/service.py), set once the store is open
         if engine is not None:
             self.set_engine(engine)
 

@@ -13,7 +13,7 @@ from engine import ChatTurn, GenerationParams, GenerationRequest
 from engine.modality import OutputModality
 from studio.api.errors import APIError
 from studio.api.protocol import SIZE_PATTERN, ChatCompletionRequest
-from studio.limits import InputLimits
+from studio.startup.limits import InputLimits
 
 
 def decode_image_bytes(data: bytes, param: str, limits: InputLimits) -> Image.Image:

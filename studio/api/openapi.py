@@ -25,7 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 
 from studio.api.protocol import ChatCompletionRequest, ImageEditForm, ImageGenerationRequest
-from studio.job_spec import JobSpec
+from studio.jobs.spec import JobSpec
 
 TITLE = "Omni Studio API"
 DESCRIPTION = (

@@ -1,6 +1,6 @@
 """Response models of ``/v1/studio/jobs`` (batch and grid jobs, docs/jobs.md).
 
-The request body is :class:`studio.job_spec.JobSpec` itself (the same model the CLI's YAML and the Batch
+The request body is :class:`studio.jobs.spec.JobSpec` itself (the same model the CLI's YAML and the Batch
 tab use); these are what the API answers with.
 """
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from studio.api.auth import client_address
-from studio.starting import GENERATION_PATHS, ASGIApp, Message, Receive, Scope, Send
+from studio.startup.starting import GENERATION_PATHS, ASGIApp, Message, Receive, Scope, Send
 
 MiB = 1024 * 1024
 WINDOW_S = 5.0

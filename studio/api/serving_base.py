@@ -3,7 +3,7 @@ running a request to completion with client-disconnect detection.
 
 Handlers are built by :class:`studio.api.app.ServingState` *after* the fingerprint mode is applied, and
 read ``context.system_fingerprint`` once at construction: changing the mode means building new handlers.
-Recording while streaming is :class:`studio.runs.RunService`'s job; this module turns its outcomes into
+Recording while streaming is :class:`studio.runs.service.RunService`'s job; this module turns its outcomes into
 HTTP errors.
 """
 
@@ -24,9 +24,9 @@ from engine.events import EngineEvent, RunFailed, RunFinished
 from studio.api.errors import APIError
 from studio.api.metrics import APIMetrics
 from studio.api.refusals import client_key
-from studio.limits import InputLimits
-from studio.media import png_bytes
-from studio.runs import Recording, RunRejected, RunService, RunTracking
+from studio.media.images import png_bytes
+from studio.runs.service import Recording, RunRejected, RunService, RunTracking
+from studio.startup.limits import InputLimits
 
 __all__ = ["OpenAIServing", "Recording", "RunTracking", "ServingContext", "png_data_url", "usage_of"]
 

@@ -19,7 +19,7 @@ from studio.api.errors import APIError
 from studio.api.inputs import check_generation_limits, check_text, params_from_fields, parse_size
 from studio.api.protocol import ImageGenerationRequest, now
 from studio.api.serving_base import OpenAIServing, reply_headers
-from studio.media import png_bytes
+from studio.media.images import png_bytes
 
 
 class OpenAIServingImages(OpenAIServing):

@@ -1,5 +1,5 @@
 """``/v1/studio/jobs``: submit a batch job, read its status and progress, list jobs, cancel one, fetch its
-grid (docs/jobs.md). The work is :class:`studio.jobs.JobService`'s; this module turns its answers into
+grid (docs/jobs.md). The work is :class:`studio.jobs.service.JobService`'s; this module turns its answers into
 JSON and its refusals into OpenAI error bodies that name the field (``x.values[1]``) and what is allowed.
 """
 
@@ -14,9 +14,9 @@ from fastapi.responses import FileResponse, JSONResponse
 from studio.api.errors import APIError
 from studio.api.protocol_jobs import JobGrid, JobItemOut, JobList, JobObject, JobProgress
 from studio.api.serving_base import client_id
-from studio.job_spec import JobSpecError, parse_job_spec
-from studio.jobs import JobFinished, JobNotFound, JobService, JobsUnavailable
-from studio.limits import InputLimits
+from studio.jobs.service import JobFinished, JobNotFound, JobService, JobsUnavailable
+from studio.jobs.spec import JobSpecError, parse_job_spec
+from studio.startup.limits import InputLimits
 from studio.store.jobs import JOB_STATUSES, JobRecord
 
 MAX_LIST = 200

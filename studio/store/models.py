@@ -26,7 +26,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-RUN_SOURCES = ("ui", "api", "cli", "job")  # job: a cell of a batch job, or its grid (studio/jobs.py)
+RUN_SOURCES = ("ui", "api", "cli", "job")  # job: a cell of a batch job, or its grid (studio/jobs/service.py)
 RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
 ACTIVE_STATUSES = ("queued", "running")  # a run in one of these has a live process recording it
 OUTPUT_KINDS = ("image", "text", "source")  # source: the input image of an image-to-image run
@@ -175,7 +175,7 @@ class Output(Base):
 
 
 class Job(Base):
-    """A batch job: prompts x seeds x up to two parameter axes, run cell by cell (``studio/jobs.py``).
+    """A batch job: prompts x seeds x up to two parameter axes, run cell by cell (``studio/jobs/service.py``).
 
     ``spec`` is the normalized job (seeds and model pinned at submission, so a resumed job runs what was
     asked); ``position`` orders the queue (lower runs first; the Queue panel swaps it to move a job);

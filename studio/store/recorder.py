@@ -31,7 +31,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from engine.config import PipelineConfig
 from engine.events import EngineEvent, RunFailed, RunFinished, StageFinished, StageStarted
 from engine.request import ResolvedRequest
-from studio.media import png_bytes
+from studio.media.images import png_bytes
 from studio.store.journal import Journal, apply_entries, journal_dir
 from studio.store.models import RUN_SOURCES
 from studio.store.records import storable

@@ -971,7 +971,7 @@ class RunStore:
         """Ids of the runs with an output (of ``kind``) whose file has this sha256, newest first.
 
         Outputs are content-addressed, so a file that came out of the studio unchanged is found here:
-        ``omni-studio history show --png`` (studio/recipe_runs.py).
+        ``omni-studio history show --png`` (studio/recipes/runs.py).
         """
         made = select(Output.run_id).where(Output.sha256 == sha256, Output.kind == kind)
         with self._read() as session:

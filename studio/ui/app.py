@@ -1,6 +1,6 @@
 """The studio: the Gradio UI and the whole ``/v1`` API from one process and one port.
 
-``studio.launch.launch_ui`` builds the UI here and launches it. The API routes are added to the app that
+``studio.startup.launch.launch_ui`` builds the UI here and launches it. The API routes are added to the app that
 ``launch()`` runs (ahead of Gradio's catch-all routes), so a
 ``--share`` link carries both; ``mount_gradio_app`` cannot make share links.
 """
@@ -96,7 +96,7 @@ def api_app_kwargs(serving: ServingState) -> dict[str, Any]:
     from starlette.middleware import Middleware
 
     from studio.api.refusals import RefusalThrottle
-    from studio.starting import RetryAfterOn503
+    from studio.startup.starting import RetryAfterOn503
 
     return {
         "routes": list(create_api_router(serving).routes),

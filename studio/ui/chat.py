@@ -24,7 +24,7 @@ from engine.events import (
 from engine.modality import OutputModality
 from studio.api.inputs import params_from_fields
 from studio.controller import Studio
-from studio.runs import Queued, RunRejected
+from studio.runs.service import Queued, RunRejected
 from studio.ui.recipe import build_recipe_drop, connect_recipe_drop
 
 # The UI coalesces progress: every yield costs the (GIL-sharing) server a diff and a message, and the tiny

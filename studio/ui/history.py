@@ -19,7 +19,7 @@ import yaml
 
 from engine.events import RunFailed, RunFinished
 from studio.controller import Studio
-from studio.media import png_bytes
+from studio.media.images import png_bytes
 from studio.ui.replay import build_replay_section
 
 PAGE_SIZE = 50

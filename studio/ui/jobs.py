@@ -1,5 +1,5 @@
 """The Batch tab: submit a batch job (a form, or the YAML that ``omni-studio batch`` reads), follow its
-progress and see its grid. Submitting calls :meth:`studio.jobs.JobService.submit`, the same as
+progress and see its grid. Submitting calls :meth:`studio.jobs.service.JobService.submit`, the same as
 ``POST /v1/studio/jobs`` and the CLI; the job then waits in the queue like any other (Queue tab)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import gradio as gr
 import yaml
 
 from studio.controller import Studio
-from studio.job_spec import (
+from studio.jobs.service import JobService, JobsUnavailable
+from studio.jobs.spec import (
     AXIS_PARAMS,
     SPEC_EXAMPLE,
     JobSpecError,
@@ -19,8 +20,7 @@ from studio.job_spec import (
     load_job_file,
     parse_job_spec,
 )
-from studio.jobs import JobService, JobsUnavailable
-from studio.queue import Viewer, owner_label
+from studio.runs.queue import Viewer, owner_label
 from studio.store.jobs import JobNotFound, JobRecord
 
 NO_AXIS = "(none)"

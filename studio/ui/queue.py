@@ -1,7 +1,7 @@
 """The Queue tab: what this studio has queued and running (jobs and single requests from the UI, the API
 and the CLI, and the cells of running jobs), with source, owner, place and progress; cancel what is
 yours (everything with the admin login) and move your jobs up or down. The rows and the rules are
-:class:`studio.queue.QueueView`'s; this module renders them."""
+:class:`studio.runs.queue.QueueView`'s; this module renders them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import gradio as gr
 
 from studio.controller import Studio
-from studio.queue import COLUMNS, QueueError, QueueView, Viewer
+from studio.runs.queue import COLUMNS, QueueError, QueueView, Viewer
 from studio.ui.jobs import job_service, viewer_of
 
 REFRESH_S = 1.0  # while the tab is open (app.py turns the timer on and off with the tab)

@@ -1,8 +1,8 @@
 """The Chat tab's "Load recipe from PNG": drop a PNG saved by the studio (or by A1111) and the prompt and
 parameters come back into the form; the recipe's model and deploy config are one click away.
 
-Reading the PNG is ``studio.recipes.read_recipe`` (the same call as ``omni-studio run --recipe``);
-switching the pipeline is ``studio.recipe_runs.restore_pipeline`` over the controller. See docs/recipes.md.
+Reading the PNG is ``studio.recipes.recipe.read_recipe`` (the same call as ``omni-studio run --recipe``);
+switching the pipeline is ``studio.recipes.runs.restore_pipeline`` over the controller. See docs/recipes.md.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import gradio as gr
 
 from studio.controller import Studio
-from studio.recipe_runs import restore_pipeline
-from studio.recipes import A1111, Recipe, RecipeError, read_recipe
+from studio.recipes.recipe import A1111, Recipe, RecipeError, read_recipe
+from studio.recipes.runs import restore_pipeline
 
 # The Chat form's ranges (studio/ui/chat.py): a recipe value outside them is set to the nearest end, and said.
 FORM_RANGES = {

@@ -1,7 +1,7 @@
 """The History tab's replay action: replay the selected run, or the runs the filters match, on the running
 engine, then show the regression report and a before/after slider for each changed image.
 
-The replaying and the report are :mod:`studio.replay` and :mod:`studio.replay_report`, the same code
+The replaying and the report are :mod:`studio.replay.replayer` and :mod:`studio.replay.report`, the same code
 ``omni-studio replay`` runs; this module only wires them to components (docs/replay.md).
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import gradio as gr
 
 from studio.controller import Studio
-from studio.replay import Replayer, ReplaySelectionError, ReplayTarget, select_runs
-from studio.replay_report import PARAMETER_MODES, ReplayReport, write_report
+from studio.replay.replayer import Replayer, ReplaySelectionError, ReplayTarget, select_runs
+from studio.replay.report import PARAMETER_MODES, ReplayReport, write_report
 
 UI_REPLAY_LIMIT = 20  # runs per replay from the UI; `omni-studio replay` takes any number
 SELECTED, FILTERED = "the selected run", "the runs matching the filters"

@@ -7,7 +7,7 @@ change my outputs?" needs). One engine is built per distinct target, in this pro
 its runs. Exit status as diff(1): 0 every run identical, 1 some changed, 2 some failed or a usage error.
 See docs/replay.md.
 
-Module level stays light (argparse only): ``studio/cli.py`` builds every command's parser at start.
+Module level stays light (argparse only): ``studio/cli/commands.py`` builds every command's parser at start.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from studio.errors import StartupError, UserError
-from studio.replay_report import PARAMETER_MODES, REPORT_FORMATS, ReportFormatError
+from studio.replay.report import PARAMETER_MODES, REPORT_FORMATS, ReportFormatError
 
 if TYPE_CHECKING:
     from engine import OmniEngine
-    from studio.replay import Replayer, ReplayTarget
-    from studio.replay_report import ReplayEntry
-    from studio.settings import StudioSettings
+    from studio.replay.replayer import Replayer, ReplayTarget
+    from studio.replay.report import ReplayEntry
+    from studio.startup.settings import StudioSettings
     from studio.store import RunDetail, RunFilter
 
 # --filter KEY=VALUE: the History filters (`omni-studio history ls --status/--search`, the History tab).
@@ -127,7 +127,7 @@ def _recorded_builtin(original: RunDetail) -> str | None:
 
 def target_spec(original: RunDetail, settings: StudioSettings) -> TargetSpec | str:
     """The target of ``original`` under the command line, or why there is none (an error message)."""
-    from studio.replay import deploy_from_snapshot
+    from studio.replay.replayer import deploy_from_snapshot
 
     model = settings.model or _recorded_builtin(original)
     if model is None:
@@ -150,7 +150,7 @@ def build_target(spec: TargetSpec, settings: StudioSettings) -> ReplayTarget:
     from engine.engine import EngineBuildError, build_engine
     from engine.models import ModelNotFound
     from engine.pipelines import UnknownModelFamily
-    from studio.replay import ReplayTarget
+    from studio.replay.replayer import ReplayTarget
 
     try:
         engine: OmniEngine = build_engine(
@@ -161,7 +161,7 @@ def build_target(spec: TargetSpec, settings: StudioSettings) -> ReplayTarget:
     except (ModelNotFound, UnknownModelFamily, EngineBuildError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
     # Nothing is served here: each replay records its original's fingerprint as the original's settings
-    # would give it on this config (studio.replay.unserved_fingerprint).
+    # would give it on this config (studio.replay.replayer.unserved_fingerprint).
     return ReplayTarget(engine, settings.served_model_name or engine.config.model_name, served=False)
 
 
@@ -177,10 +177,10 @@ def describe_target(settings: StudioSettings) -> str:
 
 def replay_command(args: argparse.Namespace, settings: StudioSettings) -> int:
     """Run ``omni-studio replay``; returns the exit status (0 identical, 1 changed, 2 failed)."""
-    from studio.launch import close_recorder, open_recorder
-    from studio.replay import Replayer, ReplaySelectionError, select_runs
-    from studio.replay_report import ReplayReport, write_report
-    from studio.runs import RunService
+    from studio.replay.replayer import Replayer, ReplaySelectionError, select_runs
+    from studio.replay.report import ReplayReport, write_report
+    from studio.runs.service import RunService
+    from studio.startup.launch import close_recorder, open_recorder
 
     if args.report and Path(args.report).suffix.lower() not in REPORT_FORMATS:
         raise UserError(f"--report {args.report}: the extension picks the format; use .md or .json")
@@ -223,7 +223,7 @@ def replay_all(
     ``originals``. A target given on the command line that does not start is a usage error."""
     from tqdm import tqdm
 
-    from studio.replay_report import ReplaySummary
+    from studio.replay.report import ReplaySummary
 
     specs: dict[str, TargetSpec | str] = {run.id: target_spec(run, settings) for run in originals}
     groups: dict[tuple[str, str], list[RunDetail]] = {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from studio.limits import InputLimits
+from studio.startup.limits import InputLimits
 
 if TYPE_CHECKING:
     from studio.api.fingerprint import FingerprintSettings

@@ -1,8 +1,8 @@
 """The requests this process has in the engine right now: who sent them, from where, how far they are.
 
-:class:`RequestBoard` is filled by the one run path (:class:`studio.runs.RunService`): a request is
+:class:`RequestBoard` is filled by the one run path (:class:`studio.runs.service.RunService`): a request is
 added when it is handed to the engine, follows its stage events, and leaves when it ends, whatever the
-source (UI, API, CLI, a job's cell). The Queue panel (``studio/queue.py``) reads it next to the job
+source (UI, API, CLI, a job's cell). The Queue panel (``studio/runs/queue.py``) reads it next to the job
 queue; the engine itself knows only request ids, never owners. Thread-safe.
 """
 
@@ -22,7 +22,7 @@ class InFlight:
 
     request_id: str
     source: str  # ui | api | cli | job
-    owner: str | None  # who may cancel it (studio/queue.py): "ui-session:...", "api:ADDRESS|KEY", ...
+    owner: str | None  # who may cancel it (studio/runs/queue.py): "ui-session:...", "api:ADDRESS|KEY", ...
     prompt: str
     engine: Any  # the OmniEngine it runs on (the served one, or a job's own for another model)
     started: float  # time.time() when it was handed to the engine

@@ -3,7 +3,7 @@ fingerprint before and after, failures with their error, and a summary; as Markd
 
 Comparing works on what the run store recorded, never on what the engine handed back: "identical bytes"
 compares the stored outputs' sha256, and the pixel statistics decode both stored PNGs (so PNG metadata
-cannot hide or fake a change). The service that runs replays is :mod:`studio.replay`; docs/replay.md
+cannot hide or fake a change). The service that runs replays is :mod:`studio.replay.replayer`; docs/replay.md
 explains every field of the report.
 """
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the store (SQLAlchemy) is not needed to render a report, an
 
     from studio.store.records import OutputRecord, RunDetail
 
-# How a replay picks the parameters it runs with (studio/replay.py, docs/replay.md): every request-level
+# How a replay picks the parameters it runs with (studio/replay/replayer.py, docs/replay.md): every request-level
 # parameter as recorded, or the target config's defaults for those the original took from its own config.
 PARAMETER_MODES = ("recorded", "config")
 VERDICTS = ("identical", "changed", "failed")
@@ -355,7 +355,7 @@ class ReplayReport:
     """Every replayed run, what they were replayed on, and the summary."""
 
     target: str  # what the runs were replayed on, in words
-    parameters: str  # recorded | config (studio/replay.py PARAMETER_MODES)
+    parameters: str  # recorded | config (studio/replay/replayer.py PARAMETER_MODES)
     entries: list[ReplayEntry] = field(default_factory=list)
     selection: str = ""  # which runs were picked, in words
     created_at: str = field(default_factory=_now)

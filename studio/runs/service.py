@@ -19,10 +19,10 @@ from typing import Any, Protocol, cast
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.engine import EngineBusy, EngineClosed
 from engine.events import EngineEvent, RunFailed, RunFinished
-from studio.inflight import RequestBoard
-from studio.limits import InputLimits
-from studio.media import png_bytes
-from studio.recipes import RecipeStamper, RunRecipe
+from studio.media.images import png_bytes
+from studio.recipes.recipe import RecipeStamper, RunRecipe
+from studio.runs.inflight import RequestBoard
+from studio.startup.limits import InputLimits
 from studio.store.files import PNG, OutputFiles
 
 
@@ -140,7 +140,7 @@ class RunService:
         board: RequestBoard | None = None,
     ) -> None:
         self.recorder = recorder
-        self.board = board  # the requests in flight, for the Queue panel (studio/inflight.py)
+        self.board = board  # the requests in flight, for the Queue panel (studio/runs/inflight.py)
         self.source = source
         self.files = files
         self.on_event = on_event
@@ -198,9 +198,9 @@ class RunService:
     ) -> RunTracking:
         """Record a new queued run for ``resolved`` (its id is the request id) and return its tracker.
 
-        ``replay_of``: the recorded run this one replays (``studio/replay.py``); the store links them.
+        ``replay_of``: the recorded run this one replays (``studio/replay/replayer.py``); the store links them.
         The tracker writes the run's recipe into each output image before anyone encodes it, so every PNG
-        of the run (response, UI, CLI file, run store) carries it (studio/recipes.py, docs/recipes.md).
+        of the run (response, UI, CLI file, run store) carries it (studio/recipes/recipe.py, docs/recipes.md).
         """
         recipe = RunRecipe.of(resolved, engine.config, fingerprint)  # before the recorder: see RunRecipe.of
         if self.recorder is None:

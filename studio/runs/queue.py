@@ -1,7 +1,7 @@
 """The Queue panel's model: everything queued or running in this studio, and who may change what.
 
-Rows come from two places: the job queue (``studio/jobs.py``: queued and running jobs, in queue order)
-and the requests in the engine (``studio/inflight.py``: single requests from the UI, the API and the
+Rows come from two places: the job queue (``studio/jobs/service.py``: queued and running jobs, in queue order)
+and the requests in the engine (``studio/runs/inflight.py``: single requests from the UI, the API and the
 CLI, and the cells of running jobs), each with its source, owner, place and progress. A viewer may
 cancel what they own, and move their jobs up or down; the admin login (``--auth``, or the login
 ``--share`` generates) may do so for everything (docs/jobs.md, "The Queue panel"). The UI tab
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from studio.inflight import InFlight, RequestBoard
-from studio.jobs import JobFinished, JobNotFound, JobService
+from studio.jobs.service import JobFinished, JobNotFound, JobService
+from studio.runs.inflight import InFlight, RequestBoard
 from studio.store.models import ACTIVE_JOB_STATUSES
 
 if TYPE_CHECKING:

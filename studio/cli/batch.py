@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 from studio.errors import UserError
 
 if TYPE_CHECKING:
-    from studio.job_spec import JobSpec
-    from studio.jobs import JobService
-    from studio.settings import StudioSettings
+    from studio.jobs.service import JobService
+    from studio.jobs.spec import JobSpec
+    from studio.startup.settings import StudioSettings
     from studio.store.jobs import JobRecord
 
 
@@ -59,7 +59,7 @@ def owner_of_terminal() -> str:
 
 
 def _load_spec(path: str, settings: StudioSettings) -> JobSpec:
-    from studio.job_spec import JobSpecError, load_job_file
+    from studio.jobs.spec import JobSpecError, load_job_file
 
     file = Path(path).expanduser()
     if not file.is_file():
@@ -73,9 +73,9 @@ def _load_spec(path: str, settings: StudioSettings) -> JobSpec:
 def run_batch(args: argparse.Namespace, settings: StudioSettings) -> int:
     """Run (or resume) one job to its end; exit 0 when every cell succeeded, 1 otherwise, 130 on Ctrl-C."""
     from engine.paths import DEPLOY_PRESETS_DIR
-    from studio.job_spec import JobSpec, JobSpecError
-    from studio.jobs import JobNotFound, JobService
-    from studio.launch import close_recorder, open_recorder, start_engine
+    from studio.jobs.service import JobNotFound, JobService
+    from studio.jobs.spec import JobSpec, JobSpecError
+    from studio.startup.launch import close_recorder, open_recorder, start_engine
 
     if (args.file is None) == (args.resume is None):
         raise UserError("give a JOB.yaml file, or --resume ID to finish a stored job")

@@ -1,6 +1,6 @@
 """Encoding images once for everything that needs their bytes (API responses, the run store, downloads).
 
-An image may carry PNG text chunks (the run's recipe, attached once by ``studio.runs.RunService``; see
+An image may carry PNG text chunks (the run's recipe, attached once by ``studio.runs.service.RunService``; see
 docs/recipes.md): every writer encodes through :func:`png_bytes`, so every copy of a picture carries them.
 """
 

@@ -1,7 +1,7 @@
 """From a PNG's recipe back to runs: the recorded run(s) it came from, and what re-running it takes.
 
-Used by ``omni-studio history show --png`` and ``omni-studio run --recipe`` (``studio/cli.py``) and by the
-Chat tab's "Load recipe from PNG" (``studio/ui/recipe.py``); the format itself is ``studio/recipes.py``.
+Used by ``omni-studio history show --png`` and ``omni-studio run --recipe`` (``studio/cli/commands.py``) and by the
+Chat tab's "Load recipe from PNG" (``studio/ui/recipe.py``); the format itself is ``studio/recipes/recipe.py``.
 A PNG is matched to runs by its sha256 first (the run store keeps outputs content-addressed, so an
 untouched file is exactly one output of the run(s) that made it); a re-saved or edited PNG by its recipe
 (config hash, prompt, seed and parameters), since the recipe carries no run id (docs/recipes.md says why).
@@ -19,7 +19,7 @@ import yaml
 from PIL import Image
 
 from engine.config import DeployConfig, StageConfig
-from studio.recipes import A1111, Recipe, RecipeError
+from studio.recipes.recipe import A1111, Recipe, RecipeError
 from studio.store.files import OutputFiles
 from studio.store.records import RunFilter
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
 
-from studio.job_spec import JobSpec, value_label
+from studio.jobs.spec import JobSpec, value_label
 
 MIN_CELL = 128
 GAP = 6

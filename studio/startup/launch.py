@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 from engine.environment import StartupCollection
 from studio.errors import StartupError, Terminated
-from studio.settings import StudioSettings
-from studio.starting import ASGIApp, StartingApp
+from studio.startup.settings import StudioSettings
+from studio.startup.starting import ASGIApp, StartingApp
 
 if TYPE_CHECKING:
     import uvicorn
 
     from engine import OmniEngine
     from studio.api.app import ServingOptions
-    from studio.jobs import JobService
+    from studio.jobs.service import JobService
     from studio.store.recorder import RunRecorder
 
 log = logging.getLogger("omni_studio")
@@ -150,8 +150,8 @@ def close_recorder(recorder: RunRecorder) -> None:
 
 
 def start_jobs(serving: Any, recorder: RunRecorder, settings: StudioSettings) -> JobService:
-    """The batch-job queue of this studio, its runner started (studio/jobs.py)."""
-    from studio.jobs import JobService
+    """The batch-job queue of this studio, its runner started (studio/jobs/service.py)."""
+    from studio.jobs.service import JobService
 
     return JobService.for_serving(serving, recorder, settings).start()
 

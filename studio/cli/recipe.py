@@ -1,5 +1,5 @@
 """The command line's side of PNG recipes: ``omni-studio run --recipe FILE.png`` and
-``omni-studio history show --png FILE.png`` (hooked into ``studio/cli.py``; docs/recipes.md).
+``omni-studio history show --png FILE.png`` (hooked into ``studio/cli/commands.py``; docs/recipes.md).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 from engine.tiny import BUILTIN_MODELS
 from studio.errors import UserError
-from studio.recipe_runs import BY_FILE, compare_with_original, parameter_changes, plan_rerun, runs_for_png
-from studio.recipes import Recipe, RecipeError, read_recipe
-from studio.settings import StudioSettings
+from studio.recipes.recipe import Recipe, RecipeError, read_recipe
+from studio.recipes.runs import BY_FILE, compare_with_original, parameter_changes, plan_rerun, runs_for_png
+from studio.startup.settings import StudioSettings
 
 # `run` flags a recipe fills when they are not given on the command line, and their recipe parameter
 # names (for "what the user changed on purpose").

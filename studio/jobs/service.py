@@ -3,7 +3,7 @@
 :class:`JobService` is what the API (``/v1/studio/jobs``), the Batch and Queue tabs and ``omni-studio
 batch`` call. A job is checked against the running studio when submitted (models it can load, what each
 cell resolves to) and stored with one item per cell (``studio/store/jobs.py``); its background runner
-then feeds the cells into the engine through the one run path (:class:`studio.runs.RunService`), several
+then feeds the cells into the engine through the one run path (:class:`studio.runs.service.RunService`), several
 at a time, so they batch with everyone else's requests and are recorded as runs (source ``job``).
 
 Restart safety (docs/jobs.md, "Restart"): a cell's run id is written before the run starts; its outcome
@@ -11,7 +11,7 @@ is written only once the run's own outcome is in the store. After a crash (``kil
 takes over the dead process's jobs; for each cell that was running it looks at that run: succeeded ->
 the cell is done (no second run), anything else (interrupted, missing) -> the cell runs again. So every
 cell ends with exactly one succeeded run. When every cell has an outcome, the labelled grid
-(``studio/grid.py``) is composed, kept as an output file and recorded as a run of its own.
+(``studio/jobs/grid.py``) is composed, kept as an output file and recorded as a run of its own.
 
 Cells for another model or deploy preset than the served one run on an engine the runner builds for
 them, one at a time, closed when their cells are done.
@@ -42,20 +42,20 @@ from engine.models import ModelNotFound, ModelSource, describe_model
 from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import UnknownModelFamily
 from engine.tiny import BUILTIN_MODELS
-from studio.grid import compose_grid, grid_layout
-from studio.inflight import RequestBoard
-from studio.job_spec import AXIS_NAMES, CellParameters, JobCell, JobSpec, JobSpecError, SpecProblem
-from studio.limits import InputLimits
-from studio.media import attach_png_text, png_bytes
-from studio.recipes import grid_recipe_chunks
-from studio.runs import RunRejected, RunService
+from studio.jobs.grid import compose_grid, grid_layout
+from studio.jobs.spec import AXIS_NAMES, CellParameters, JobCell, JobSpec, JobSpecError, SpecProblem
+from studio.media.images import attach_png_text, png_bytes
+from studio.recipes.recipe import grid_recipe_chunks
+from studio.runs.inflight import RequestBoard
+from studio.runs.service import RunRejected, RunService
+from studio.startup.limits import InputLimits
 from studio.store.files import PNG
 from studio.store.jobs import FINISHED_ITEM_STATUSES, JobItemRecord, JobNotFound, JobRecord, JobStore
 from studio.store.models import ACTIVE_JOB_STATUSES
 from studio.store.store import RunStore
 
 if TYPE_CHECKING:
-    from studio.settings import StudioSettings
+    from studio.startup.settings import StudioSettings
     from studio.store.recorder import RunRecorder
 
 __all__ = ["JobFinished", "JobNotFound", "JobService", "JobsUnavailable", "cell_request"]

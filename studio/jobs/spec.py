@@ -4,7 +4,7 @@ One model serves the three ways in (docs/jobs.md): the YAML file of ``omni-studi
 JSON body of ``POST /v1/studio/jobs`` and the Batch tab's form. :func:`parse_job_spec` checks a document
 and reports *every* problem at once, each with its field path (``x.values[1]``) and what is allowed there;
 the running studio adds what only it knows (which models it can load, what each cell resolves to) in
-``studio/jobs.py``. Nothing here imports the engine's heavy modules: a bad job file is refused before torch
+``studio/jobs/service.py``. Nothing here imports the engine's heavy modules: a bad job file is refused before torch
 loads.
 """
 
@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.paths import DEPLOY_PRESETS_DIR
-from studio.limits import InputLimits
+from studio.startup.limits import InputLimits
 
 AxisParam = Literal["steps", "guidance", "size", "negative_prompt", "model", "deploy"]
 AXIS_PARAMS: tuple[str, ...] = get_args(AxisParam)

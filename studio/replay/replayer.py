@@ -1,10 +1,10 @@
 """Replaying recorded runs: the same request, parameters and seed again, on the running engine or another
 model / deploy config, recorded as new runs linked to their originals, and compared output by output.
 
-``omni-studio replay`` (:mod:`studio.replay_cli`) and the History tab's replay action
+``omni-studio replay`` (:mod:`studio.cli.replay`) and the History tab's replay action
 (:mod:`studio.ui.history`) both call :class:`Replayer`. A replay goes through the one run path
-(:class:`studio.runs.RunService`), so it is recorded like any run; its ``replay_of`` column names the
-original. The comparison reads what the run store recorded for both runs (:mod:`studio.replay_report`).
+(:class:`studio.runs.service.RunService`), so it is recorded like any run; its ``replay_of`` column names the
+original. The comparison reads what the run store recorded for both runs (:mod:`studio.replay.report`).
 
 What a replay sends: the original's prompt, chat history, source image and output modalities, its seed,
 and its request-level parameters as they were resolved (size, steps, guidance, negative prompt,
@@ -24,13 +24,13 @@ from engine.config import PipelineConfig
 from engine.config.deploy import TOPOLOGY_KEYS
 from engine.modality import OutputModality
 from engine.request import ChatTurn, GenerationParams, GenerationRequest, RequestError, ResolvedRequest
-from studio.replay_report import (
+from studio.replay.report import (
     PARAMETER_MODES,
     ReplayEntry,
     compare_runs,
     failed_entry,
 )
-from studio.runs import RunRejected, RunService, RunTracking
+from studio.runs.service import RunRejected, RunService, RunTracking
 from studio.store import ACTIVE_STATUSES, AmbiguousRunId, RunDetail, RunFilter, RunNotFound, RunStore
 
 if TYPE_CHECKING:

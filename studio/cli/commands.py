@@ -16,9 +16,9 @@ from engine.environment import quiet_libraries
 from engine.paths import default_data_dir
 from engine.tiny import BUILTIN_MODELS, DEFAULT_MODEL
 from studio.errors import StartupError, Terminated, UserError
-from studio.launch import stop_gracefully_on_sigterm, tune_interpreter
-from studio.limits import InputLimits
-from studio.settings import StudioSettings
+from studio.startup.launch import stop_gracefully_on_sigterm, tune_interpreter
+from studio.startup.limits import InputLimits
+from studio.startup.settings import StudioSettings
 
 FINGERPRINT_MODES = ("full", "hash", "custom", "none")
 AR_BACKENDS = ("auto", "vllm", "transformers")
@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--dry-run", action="store_true", help="print how many runs match; delete nothing")
     prune.add_argument("--vacuum", action="store_true", help="then give the space back (VACUUM; see docs)")
 
-    from studio.replay_cli import add_replay_arguments  # light: argparse only
+    from studio.cli.replay import add_replay_arguments  # light: argparse only
 
     replay = command(
         "replay",
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_replay_arguments(replay)
 
-    from studio.batch_cli import BATCH_EXAMPLES, add_batch_arguments  # light: argparse only
+    from studio.cli.batch import BATCH_EXAMPLES, add_batch_arguments  # light: argparse only
 
     batch = command(
         "batch",
@@ -551,13 +551,13 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
     from engine.environment import StartupCollection
     from engine.events import RunFailed
     from engine.modality import OutputModality
-    from studio.launch import close_recorder, open_recorder, start_engine
-    from studio.media import png_bytes
-    from studio.progress import StageProgressBars
-    from studio.runs import RunService
+    from studio.cli.progress import StageProgressBars
+    from studio.media.images import png_bytes
+    from studio.runs.service import RunService
+    from studio.startup.launch import close_recorder, open_recorder, start_engine
 
     if args.recipe:
-        from studio.recipe_cli import apply_recipe
+        from studio.cli.recipe import apply_recipe
 
         settings = apply_recipe(args, settings)
     if args.prompt is None:
@@ -622,7 +622,7 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
         for line in written:
             print(line)
         if args.recipe:
-            from studio.recipe_cli import report_rerun
+            from studio.cli.recipe import report_rerun
 
             report_rerun(args, resolved, engine.config.config_hash(), [png_bytes(i) for i in result.images])
         print(f"seed {resolved.seed}", file=sys.stderr)
@@ -639,7 +639,7 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
 
 def write_outputs(result: Any, out: str | None, makes_images: bool) -> list[str]:
     """Write a finished run's outputs; returns one line per file (or the text when there is no file)."""
-    from studio.media import png_bytes
+    from studio.media.images import png_bytes
 
     lines = []
     if makes_images:
@@ -699,7 +699,7 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
                 else format_run_table(runs, total)
             )
         elif action == "show" and args.png is not None:
-            from studio.recipe_cli import show_png_runs
+            from studio.cli.recipe import show_png_runs
 
             if args.run_id is not None:
                 raise UserError("give a run ID or --png FILE.png, not both")
@@ -737,13 +737,13 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
 
 
 def cmd_replay(args: argparse.Namespace, settings: StudioSettings) -> int:
-    from studio.replay_cli import replay_command
+    from studio.cli.replay import replay_command
 
     return replay_command(args, settings)
 
 
 def cmd_batch(args: argparse.Namespace, settings: StudioSettings) -> int:
-    from studio.batch_cli import run_batch
+    from studio.cli.batch import run_batch
 
     return run_batch(args, settings)
 
@@ -753,13 +753,13 @@ def cmd_not_ready(args: argparse.Namespace, settings: StudioSettings) -> int:
 
 
 def cmd_ui(args: argparse.Namespace, settings: StudioSettings) -> int:
-    from studio.launch import launch_ui
+    from studio.startup.launch import launch_ui
 
     return launch_ui(settings)
 
 
 def cmd_serve(args: argparse.Namespace, settings: StudioSettings) -> int:
-    from studio.launch import serve_api
+    from studio.startup.launch import serve_api
 
     return serve_api(settings)
 

@@ -1,7 +1,7 @@
 """PNG recipes: what made a picture, written into the picture (docs/recipes.md).
 
 Every PNG the studio writes carries two text chunks, attached once per output image by
-:class:`studio.runs.RunService` (so the API, the UI, the CLI and the run store all write the same bytes):
+:class:`studio.runs.service.RunService` (so the API, the UI, the CLI and the run store all write the same bytes):
 
 - ``parameters``: A1111's plain-text form, which A1111, ComfyUI, InvokeAI and image viewers read::
 
@@ -17,7 +17,7 @@ No run id and no time stamp. SPEC §5 makes "same request + seed -> byte-identic
 and a per-run id or a clock value in the bytes would break it; the recipe holds only what decides the
 picture, so a re-run (from History, the CLI or a replay) writes the very same file. The run a PNG came from
 is found instead by the file's sha256 (outputs are content-addressed) and, for a re-saved or edited PNG,
-by its recipe (``omni-studio history show --png``; :mod:`studio.recipe_runs`).
+by its recipe (``omni-studio history show --png``; :mod:`studio.recipes.runs`).
 
 This module is the format: building a recipe, attaching it to an image, reading one back from PNG bytes
 (ours, or A1111's ``parameters`` alone). It knows nothing of the run store, the UI or the CLI.
@@ -39,7 +39,7 @@ from engine.config import PipelineConfig
 from engine.events import EngineEvent, RunFinished
 from engine.request import ResolvedRequest
 from studio import __version__
-from studio.media import attach_png_text, png_bytes
+from studio.media.images import attach_png_text, png_bytes
 
 RECIPE_VERSION = 1  # bump when a field changes meaning; readers accept newer recipes with a note
 RECIPE_KEY = "omni_studio"  # the JSON chunk
@@ -175,7 +175,7 @@ class RunRecipe:
 class RecipeStamper:
     """A run's tracker that writes the run's recipe into its output images as they pass.
 
-    :class:`studio.runs.RunService` hands every caller (API, UI, CLI) this wrapper, and every engine event
+    :class:`studio.runs.service.RunService` hands every caller (API, UI, CLI) this wrapper, and every engine event
     reaches the tracker before the caller sees it, so the images are stamped before any encoding: the
     one place the request, resolved parameters, config and fingerprint are known together.
     """
