@@ -54,3 +54,16 @@ def studio_page(browser: Any, url: str) -> Iterator[Any]:
 
 def open_tab(page: Any, name: str) -> None:
     page.get_by_role("tab", name=name).click()
+
+
+def set_number(page: Any, elem_id: str, value: str) -> None:
+    """Type ``value`` into the number box of the component ``elem_id`` and commit it (Enter)."""
+    box = page.locator(f"#{elem_id} input[type=number]").first
+    box.fill(value)
+    box.press("Enter")
+
+
+def send_prompt(page: Any, prompt: str) -> None:
+    """Send ``prompt`` from the Chat tab's message box."""
+    page.fill("#omni-message textarea", prompt)
+    page.keyboard.press("Enter")

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.browser import open_tab
+from tests.browser import open_tab, send_prompt, set_number
 from tests.servers import running_server
 
 pytestmark = pytest.mark.browser
@@ -33,17 +33,6 @@ def studio(tmp_path_factory):
         ["ui", "--ar-backend", "transformers"], tmp_path_factory.mktemp("studio-actions")
     ) as server:
         yield server
-
-
-def set_number(page, elem_id: str, value: str) -> None:
-    box = page.locator(f"#{elem_id} input[type=number]").first
-    box.fill(value)
-    box.press("Enter")
-
-
-def send_prompt(page, prompt: str) -> None:
-    page.fill("#omni-message textarea", prompt)
-    page.keyboard.press("Enter")
 
 
 def wait_text(page, selector: str, text: str) -> None:
