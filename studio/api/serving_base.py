@@ -1,6 +1,10 @@
 """What every serving handler shares: the engine, the cached fingerprint, limits, the run service, and
 running a request to completion with client-disconnect detection.
 
+Handlers call :class:`studio.runs.service.RunService` directly (``resolve``, ``start``, ``events``,
+``admission_problem``); what is here turns its outcomes into HTTP errors (:func:`request_error`,
+:func:`rejection_error`) and watches the client while a non-streamed run works (:meth:`run_to_completion`).
+
 Handlers are built by :class:`studio.api.app.ServingState` *after* the fingerprint mode is applied, and
 read ``context.system_fingerprint`` once at construction: changing the mode means building new handlers.
 Recording while streaming is :class:`studio.runs.service.RunService`'s job; this module turns its outcomes into
@@ -13,14 +17,14 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
-from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
-from engine.events import EngineEvent, RunFailed, RunFinished
+from engine import OmniEngine, RequestError, ResolvedRequest
+from engine.events import RunFailed, RunFinished
 from studio.api.errors import APIError
 from studio.api.metrics import APIMetrics
 from studio.api.refusals import client_key
@@ -53,6 +57,16 @@ def png_data_url(image: Any) -> str:
 
 
 RETRY_AFTER_S = 1
+
+
+def request_error(exc: RequestError, prompt_field: str = "prompt") -> APIError:
+    """A request the run service refused (``RunService.resolve``) as a 400 naming the client's field
+    (``prompt_field``: what the client calls the prompt; chat: ``messages``)."""
+    field = prompt_field if exc.field in ("prompt", "history") else exc.field
+    message = str(exc)
+    if field != exc.field:
+        message = f"{field}: {exc.message}"
+    return APIError(400, message, field)
 
 
 def rejection_error(exc: RunRejected) -> APIError:
@@ -109,54 +123,13 @@ class OpenAIServing:
 
     prompt_field = "prompt"  # what the client calls the prompt (chat: ``messages``)
 
-    def resolve(self, request: GenerationRequest) -> ResolvedRequest:
-        try:
-            return self.runs.resolve(self.engine, request)
-        except RequestError as exc:
-            field = self.prompt_field if exc.field in ("prompt", "history") else exc.field
-            message = str(exc)
-            if field != exc.field:
-                message = f"{field}: {exc.message}"
-            raise APIError(400, message, field) from exc
-
-    def check_admission(self, tracker: RunTracking, raw_request: Request | None) -> None:
-        """429 (recorded) now when the client is at its limit or the queue is full (streams check this
-        before their headers go out)."""
-        problem = self.runs.admission_problem(self.engine, client_id(raw_request))
-        if problem is not None:
-            raise recorded(rejection_error(self.runs.reject(problem, tracker)), tracker)
-
-    def track(self, resolved: ResolvedRequest, payload: dict[str, Any]) -> RunTracking:
-        return self.runs.start(
-            self.engine, resolved, self.served_model_name, self.system_fingerprint, payload
-        )
-
-    async def events(
-        self, resolved: ResolvedRequest, tracker: RunTracking, *, stopped: str, client: str | None = None
-    ) -> AsyncGenerator[EngineEvent, None]:
-        """The engine's events for ``resolved``, recorded as they pass; a refused run becomes 429/503."""
-        events = self.runs.events(self.engine, resolved, tracker, stopped=stopped, client=client)
-        try:
-            try:
-                async for event in events:
-                    yield event
-            except RunRejected as exc:
-                raise recorded(rejection_error(exc), tracker) from exc
-        finally:
-            await events.aclose()
-
     async def run_to_completion(
         self, resolved: ResolvedRequest, tracker: RunTracking, raw_request: Request | None
     ) -> RunFinished:
-        """Run a non-streaming request; a client that goes away cancels it (recorded as cancelled)."""
-        try:
-            return await self._run_to_completion(resolved, tracker, raw_request)
-        except APIError as exc:
-            raise recorded(exc, tracker) from None
+        """Run a non-streaming request; a client that goes away cancels it (recorded as cancelled).
 
-    async def _run_to_completion(
-        self, resolved: ResolvedRequest, tracker: RunTracking, raw_request: Request | None
-    ) -> RunFinished:
+        Every error raised here is already recorded under ``tracker``'s run (:func:`recorded`).
+        """
         task = asyncio.create_task(
             self.runs.run_to_end(
                 self.engine,
@@ -176,7 +149,7 @@ class OpenAIServing:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, RunRejected):
                         await task
-                    raise APIError(499, "client disconnected")
+                    raise recorded(APIError(499, "client disconnected"), tracker)
         except asyncio.CancelledError:
             tracker.fail("the request was cancelled by the server", cancelled=True)
             task.cancel()
@@ -189,9 +162,13 @@ class OpenAIServing:
             return terminal
         if isinstance(terminal, RunFailed):
             if terminal.error_type == "invalid_request":
-                raise APIError(400, terminal.message)
-            raise APIError(500, f"The engine failed: {terminal.message}", None, "engine_error")
-        raise APIError(500, "the engine ended the request without a result", None, "engine_error")
+                raise recorded(APIError(400, terminal.message), tracker)
+            raise recorded(
+                APIError(500, f"The engine failed: {terminal.message}", None, "engine_error"), tracker
+            )
+        raise recorded(
+            APIError(500, "the engine ended the request without a result", None, "engine_error"), tracker
+        )
 
 
 def recorded(error: APIError, tracker: RunTracking) -> APIError:

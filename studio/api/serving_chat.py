@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine import RequestError
 from engine.events import (
     DiffusionStep,
     EngineEvent,
@@ -36,9 +37,13 @@ from studio.api.serving_base import (
     RunTracking,
     client_id,
     png_data_url,
+    recorded,
+    rejection_error,
     reply_headers,
+    request_error,
     usage_of,
 )
+from studio.runs.service import RunRejected
 
 
 def image_parts(output: RunOutput) -> list[dict[str, Any]]:
@@ -76,12 +81,21 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, payload: dict[str, Any], raw: Request | None):
         self.check_model(request.model)
         engine_request = chat_to_engine_request(request, self.context.limits)
-        resolved = self.resolve(engine_request)
-        tracker = self.track(resolved, payload)
+        try:
+            resolved = self.runs.resolve(self.engine, engine_request)
+        except RequestError as exc:
+            raise request_error(exc, self.prompt_field) from exc
+        tracker = self.runs.start(
+            self.engine, resolved, self.served_model_name, self.system_fingerprint, payload
+        )
         image_reply = request.image_reply or self.context.image_reply
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            self.check_admission(tracker, raw)  # a 429, not an error chunk after a 200
+            # A 429 (recorded) now, not an error chunk after a 200, when the client is at its limit or
+            # the queue is full; the run itself still enforces both.
+            problem = self.runs.admission_problem(self.engine, client_id(raw))
+            if problem is not None:
+                raise recorded(rejection_error(self.runs.reject(problem, tracker)), tracker)
             return StreamingResponse(
                 self.stream(resolved, tracker, include_usage, client_id(raw), image_reply),
                 media_type="text/event-stream",
@@ -151,8 +165,8 @@ class OpenAIServingChat(OpenAIServing):
             **({"warnings": list(resolved.warnings)} if resolved.warnings else {}),
         )
         finished = False
-        events = self.events(
-            resolved, tracker, stopped="the client disconnected during the stream", client=client
+        events = self.runs.events(
+            self.engine, resolved, tracker, stopped="the client disconnected during the stream", client=client
         )
         try:
             async for event in events:
@@ -187,8 +201,8 @@ class OpenAIServingChat(OpenAIServing):
                     error = APIError(status, event.message, None, event.error_type)
                     yield sse(error.body())
                     finished = True
-        except APIError as exc:  # queue full / engine restarting before anything ran
-            yield sse(exc.body())
+        except RunRejected as exc:  # queue full / engine restarting before anything ran
+            yield sse(rejection_error(exc).body())
             finished = True
         finally:
             if not finished:  # the client went away mid-stream
