@@ -1,5 +1,5 @@
 """The command line's side of PNG recipes: ``omni-studio run --recipe FILE.png`` and
-``omni-studio history show --png FILE.png`` (hooked into ``studio/cli/commands.py``; docs/recipes.md).
+``omni-studio history show --png FILE.png`` (hooked into ``studio/cli/run.py`` and ``studio/cli/history.py``; docs/recipes.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ change my outputs?" needs). One engine is built per distinct target, in this pro
 its runs. Exit status as diff(1): 0 every run identical, 1 some changed, 2 some failed or a usage error.
 See docs/replay.md.
 
-Module level stays light (argparse only): ``studio/cli/commands.py`` builds every command's parser at start.
+Module level stays light (argparse only): ``studio/cli/parser.py`` builds every command's parser at start.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """From a PNG's recipe back to runs: the recorded run(s) it came from, and what re-running it takes.
 
-Used by ``omni-studio history show --png`` and ``omni-studio run --recipe`` (``studio/cli/commands.py``) and by the
+Used by ``omni-studio history show --png`` and ``omni-studio run --recipe`` (``studio/cli/history.py``, ``studio/cli/run.py``) and by the
 Chat tab's "Load recipe from PNG" (``studio/ui/recipe.py``); the format itself is ``studio/recipes/recipe.py``.
 A PNG is matched to runs by its sha256 first (the run store keeps outputs content-addressed, so an
 untouched file is exactly one output of the run(s) that made it); a re-saved or edited PNG by its recipe
