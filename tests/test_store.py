@@ -18,8 +18,8 @@ from sqlalchemy import text, update
 
 from studio.media.images import png_bytes
 from studio.store import AmbiguousRunId, RunFilter, RunNotFound, RunStore, open_store
+from studio.store.base import INTERRUPTED_ERROR
 from studio.store.models import Run
-from studio.store.store import INTERRUPTED_ERROR
 
 pytest_plugins = ["conftest_store"]
 
