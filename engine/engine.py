@@ -1,7 +1,7 @@
 """The orchestrator: builds stage runners from a validated pipeline config and runs requests through them.
 
-Each stage has one worker thread that takes queued jobs, batches compatible ones (up to the stage's
-``max_num_seqs``) and runs them; a finished job's outputs pass through the next stage's input processor
+Each stage has one worker thread (:mod:`engine.workers`) that takes queued jobs, batches compatible ones
+(up to the stage's ``max_num_seqs``) and runs them; a finished job's outputs pass through the next stage's input processor
 and are queued there, so different requests occupy different stages at once. Everything a request does
 is reported as events (:mod:`engine.events`) to the sink given at submission; :meth:`OmniEngine.generate`
 turns that into an async iterator and :meth:`OmniEngine.stream` into a blocking one.
@@ -10,14 +10,13 @@ turns that into an async iterator and :meth:`OmniEngine.stream` into a blocking 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +60,8 @@ from engine.models import (
 from engine.paths import default_data_dir, model_cache_dir
 from engine.processors import INPUT_PROCESSORS
 from engine.request import GenerationRequest, RequestError, ResolvedRequest
-from engine.stages.base import StageJob, StageRunner, run_batch
-
-EventSink = Callable[[EngineEvent], None]
+from engine.stages.base import StageJob, StageRunner
+from engine.workers import EventSink, RequestHandle, StageWorker, Ticket, Variant
 
 log = logging.getLogger("omni_studio.engine")
 
@@ -207,282 +205,6 @@ def with_ar_backend(config: PipelineConfig, backend: str) -> PipelineConfig:
     return replace(config, stages=stages)
 
 
-# -- bookkeeping per request ----------------------------------------------------------------------
-
-
-@dataclass
-class _Variant:
-    """One of a request's ``n`` outputs flowing through the stages."""
-
-    index: int
-    seed: int
-    outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    jobs: dict[int, StageJob] = field(default_factory=dict)
-    done: bool = False
-
-
-@dataclass(eq=False)  # one queued job is itself, whatever its fields (queue membership tests)
-class _Ticket:
-    """A queued job with what the engine needs to route its result."""
-
-    job: StageJob
-    handle: RequestHandle
-    variant: _Variant
-    stage: ResolvedStage
-    enqueued_at: float
-
-    @property
-    def client(self) -> str:
-        """Whom the job is served for in the stage queue's round-robin (its request, when anonymous)."""
-        return self.job.client
-
-
-class RequestHandle:
-    """A submitted request: cancel it, or wait for its terminal event."""
-
-    def __init__(self, resolved: ResolvedRequest, sink: EventSink) -> None:
-        self.resolved = resolved
-        self.sink = sink
-        self.cancel_event = threading.Event()
-        self.variants = [_Variant(i, resolved.seed + i) for i in range(resolved.n)]
-        self.terminal: EngineEvent | None = None
-        self.submitted_at = time.time()
-
-    @property
-    def request_id(self) -> str:
-        return self.resolved.request_id
-
-    def cancel(self) -> None:
-        self.cancel_event.set()
-
-    def emit(self, event: EngineEvent) -> None:
-        # RuntimeError: the consumer's event loop is gone (client disconnected, loop closed).
-        with contextlib.suppress(RuntimeError):
-            self.sink(event)
-
-
-# -- stage workers --------------------------------------------------------------------------------
-
-
-class _StageWorker:
-    """The single thread that runs one stage's jobs, batching compatible ones."""
-
-    def __init__(self, runner: StageRunner, engine: OmniEngine) -> None:
-        self.runner = runner
-        self.engine = engine
-        self.queue: list[_Ticket] = []
-        # Fair queue: when each client was last served (a counter), so waiting jobs are taken round-robin
-        # across clients: one client's sixteen cannot hold another's one for more than about one job.
-        self._served: dict[str, int] = {}
-        self._serve_count = 0
-        self.cond = threading.Condition()
-        self.stopping = False
-        self.running = 0  # batch runners: batches running now (one per worker thread)
-        self.in_flight = 0  # concurrent runners: jobs handed to the runner and not yet done
-        self.in_flight_by_client: dict[str, int] = {}
-        # One thread per batch the runner can take at once: 1 in-process, one per replica on Ray.
-        slots = 1 if runner.concurrent else max(1, int(runner.parallel_batches))
-        self.threads = [
-            threading.Thread(
-                target=self._loop, name=f"omni-stage-{runner.stage_id}" + (f"-{i}" if i else ""), daemon=True
-            )
-            for i in range(slots)
-        ]
-        self.thread = self.threads[0]
-        for thread in self.threads:
-            thread.start()
-
-    def submit(self, ticket: _Ticket) -> None:
-        with self.cond:
-            self.queue.append(ticket)
-            self.cond.notify()
-
-    @property
-    def depth(self) -> int:
-        return len(self.queue)
-
-    def fair_order(self) -> list[_Ticket]:
-        """The queue in the order it will be served: clients round-robin, the one served longest ago (or
-        never) first, each client's own jobs oldest first. Callers hold ``cond``."""
-        by_client: dict[str, list[_Ticket]] = {}
-        for ticket in self.queue:
-            by_client.setdefault(ticket.client, []).append(ticket)
-        clients = sorted(by_client, key=lambda c: (self._served.get(c, -1), by_client[c][0].enqueued_at))
-        order: list[_Ticket] = []
-        for turn in range(max((len(jobs) for jobs in by_client.values()), default=0)):
-            order += [by_client[c][turn] for c in clients if turn < len(by_client[c])]
-        return order
-
-    def _take(self, ticket: _Ticket) -> None:
-        """Remove ``ticket`` from the queue as served now (callers hold ``cond``)."""
-        self.queue.remove(ticket)
-        self._serve_count += 1
-        self._served[ticket.client] = self._serve_count
-        if len(self._served) > 10_000:  # forget the clients served longest ago
-            for client in sorted(self._served, key=self._served.__getitem__)[:5_000]:
-                del self._served[client]
-
-    @property
-    def active(self) -> int:
-        return self.in_flight if self.runner.concurrent else self.running
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-
-    def _take_batch(self) -> tuple[list[_Ticket], list[tuple[_Ticket, Exception]]] | None:
-        """The next batch: the oldest job and queued jobs with its batch key (up to max_num_seqs).
-
-        A job whose batch key cannot be computed (a runner bug, a malformed input) is returned in the
-        second list with the error, to be failed: it must not take the worker thread down, leaving every
-        queued request waiting.
-        """
-        failed: list[tuple[_Ticket, Exception]] = []
-        with self.cond:
-            while True:
-                while not self.queue and not self.stopping:
-                    self.cond.wait()
-                if self.stopping:
-                    return None
-                order = self.fair_order()
-                first = order[0]
-                self._take(first)
-                try:
-                    key = self.runner.batch_key(first.job)
-                except Exception as exc:
-                    failed.append((first, exc))
-                    if self.queue:
-                        continue
-                    return [], failed
-                break
-            batch = [first]
-            for ticket in order[1:]:
-                if len(batch) >= self.runner.max_batch_size:
-                    break
-                if ticket not in self.queue:  # failed above while looking for a first job
-                    continue
-                try:
-                    same = self.runner.batch_key(ticket.job) == key
-                except Exception as exc:
-                    self.queue.remove(ticket)
-                    failed.append((ticket, exc))
-                    continue
-                if same:
-                    self._take(ticket)
-                    batch.append(ticket)
-            self.running += 1
-            return batch, failed
-
-    def _loop(self) -> None:
-        if self.runner.concurrent:
-            return self._concurrent_loop()
-        while True:  # run_batch sets the stage's intra-op threads on this thread
-            taken = self._take_batch()
-            if taken is None:
-                return
-            batch, failed = taken
-            for ticket, error in failed:
-                log.warning(
-                    "stage %s: job %s failed before it ran: %s",
-                    self.runner.stage_id,
-                    ticket.job.request_id,
-                    error,
-                )
-                now = time.time()
-                self.engine._job_done(ticket, StageStatus.FAILED, error, now, now, 1)
-            if not batch:
-                continue
-            try:
-                self._run(batch)
-            finally:
-                with self.cond:
-                    self.running -= 1
-
-    def _may_hand_next(self) -> bool:
-        """Whether the next job in fair order goes to the concurrent runner now (callers hold ``cond``):
-        below max_num_seqs in flight, or, where the runner pauses rows, a client with nothing in flight
-        here while another holds several (fair admission, docs/batching.md): it joins the running steps
-        at once instead of waiting for a slot, and the runner pauses one of the other client's rows. At
-        most max_num_seqs such jobs at once."""
-        if not self.queue:
-            return False
-        limit = self.runner.max_batch_size
-        if self.in_flight < limit:
-            return True
-        if not self.runner.pauses_rows or self.in_flight >= 2 * limit:
-            return False
-        newcomer = self.fair_order()[0].client
-        holding = self.in_flight_by_client
-        return not holding.get(newcomer) and max(holding.values(), default=0) > 1
-
-    def _concurrent_loop(self) -> None:
-        """Hand jobs to a runner with its own scheduler, keeping at most max_num_seqs in flight (past it
-        only by fair admission, :meth:`_may_hand_next`)."""
-        while True:
-            with self.cond:
-                while not self.stopping and not self._may_hand_next():
-                    self.cond.wait()
-                if self.stopping:
-                    return
-                ticket = self.fair_order()[0]
-                self._take(ticket)
-                if ticket.job.cancelled:
-                    cancelled = True
-                else:
-                    cancelled = False
-                    self.in_flight += 1
-                    client = ticket.client
-                    self.in_flight_by_client[client] = self.in_flight_by_client.get(client, 0) + 1
-            if cancelled:
-                self.engine._job_done(ticket, StageStatus.CANCELLED, None, time.time(), time.time(), 1)
-                continue
-            started = time.time()
-            self.engine._job_started(ticket, started)
-
-            def done(
-                status: StageStatus,
-                error: Exception | None,
-                ticket: _Ticket = ticket,
-                started: float = started,
-            ) -> None:
-                with self.cond:
-                    batch_size = min(self.in_flight, self.runner.max_batch_size)
-                    self.in_flight -= 1
-                    left = self.in_flight_by_client.pop(ticket.client) - 1
-                    if left:
-                        self.in_flight_by_client[ticket.client] = left
-                    self.cond.notify_all()
-                if status == StageStatus.SUCCEEDED and ticket.job.cancelled:
-                    status = StageStatus.CANCELLED
-                self.engine._job_done(ticket, status, error, started, time.time(), batch_size)
-
-            try:
-                self.runner.submit(ticket.job, done)
-            except Exception as exc:
-                done(StageStatus.FAILED, exc)
-
-    def _run(self, batch: list[_Ticket]) -> None:
-        live = []
-        for ticket in batch:
-            if ticket.job.cancelled:
-                self.engine._job_done(ticket, StageStatus.CANCELLED, None, time.time(), time.time(), 1)
-            else:
-                live.append(ticket)
-        if not live:
-            return
-        started = time.time()
-        for ticket in live:
-            self.engine._job_started(ticket, started)
-        status, error = run_batch(self.runner, [t.job for t in live])  # a failing stage fails its requests
-        finished = time.time()
-        for ticket in live:
-            ticket_status = (
-                StageStatus.CANCELLED if status == StageStatus.SUCCEEDED and ticket.job.cancelled else status
-            )
-            self.engine._job_done(ticket, ticket_status, error, started, finished, len(live))
-
-
 # -- the engine -----------------------------------------------------------------------------------
 
 
@@ -505,7 +227,7 @@ class OmniEngine:
         self._handles: dict[str, RequestHandle] = {}
         self._closed = False
         self._modalities = {s.stage_id: parse_output_modalities(s.engine_output_type) for s in config.stages}
-        self.workers = {sid: _StageWorker(runner, self) for sid, runner in runners.items()}
+        self.workers = {sid: StageWorker(runner, self) for sid, runner in runners.items()}
         self.started_at = time.time()
         self.ray_address: str | None = None  # the Ray cluster the stages run on (None: this process)
 
@@ -657,7 +379,7 @@ class OmniEngine:
             if handle is None:
                 return False
             handle.cancel()
-            dropped: list[_Ticket] = []
+            dropped: list[Ticket] = []
             for worker in self.workers.values():
                 with worker.cond:
                     keep = [t for t in worker.queue if t.handle is not handle]
@@ -721,12 +443,12 @@ class OmniEngine:
 
     # routing (called from worker threads) -------------------------------------------------------
 
-    def _stage_params(self, handle: RequestHandle, variant: _Variant, stage: ResolvedStage) -> dict[str, Any]:
+    def _stage_params(self, handle: RequestHandle, variant: Variant, stage: ResolvedStage) -> dict[str, Any]:
         params = dict(handle.resolved.stage_params[stage.stage_id])
         params["seed"] = variant.seed
         return params
 
-    def _enqueue(self, handle: RequestHandle, variant: _Variant, stage: ResolvedStage) -> None:
+    def _enqueue(self, handle: RequestHandle, variant: Variant, stage: ResolvedStage) -> None:
         request = handle.resolved.request
         params = self._stage_params(handle, variant, stage)
         inputs: dict[str, Any] = {
@@ -753,9 +475,9 @@ class OmniEngine:
             client=request.client or f"request:{handle.request_id}",
         )
         variant.jobs[stage.stage_id] = job
-        self.workers[stage.stage_id].submit(_Ticket(job, handle, variant, stage, time.time()))
+        self.workers[stage.stage_id].submit(Ticket(job, handle, variant, stage, time.time()))
 
-    def _job_started(self, ticket: _Ticket, started: float) -> None:
+    def _job_started(self, ticket: Ticket, started: float) -> None:
         stage, job = ticket.stage, ticket.job
         total = (
             int(job.params.get("max_tokens") or 0)
@@ -767,7 +489,7 @@ class OmniEngine:
 
     def _job_done(
         self,
-        ticket: _Ticket,
+        ticket: Ticket,
         status: StageStatus,
         error: Exception | None,
         started: float,
@@ -835,7 +557,7 @@ class OmniEngine:
                 outputs = tuple(self._run_output(handle, v) for v in handle.variants)
                 self._finish(handle, RunFinished(handle.request_id, 0, outputs))
 
-    def _run_output(self, handle: RequestHandle, variant: _Variant) -> RunOutput:
+    def _run_output(self, handle: RequestHandle, variant: Variant) -> RunOutput:
         wanted = handle.resolved.modalities
         merged: dict[str, Any] = {}
         for stage in self.config.final_stages:
