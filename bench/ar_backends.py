@@ -127,8 +127,8 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    from engine.building import build_pipeline_config, resolve_device
     from engine.config import DevicePlacement
-    from engine.engine import build_pipeline_config, resolve_device
     from engine.environment import quiet_libraries
     from engine.models import describe_model, materialize
     from engine.paths import default_data_dir, model_cache_dir

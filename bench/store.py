@@ -34,7 +34,7 @@ from PIL import Image  # noqa: E402
 from sqlalchemy import create_engine  # noqa: E402
 from sqlalchemy.engine import make_url  # noqa: E402
 
-from engine.engine import build_pipeline_config  # noqa: E402
+from engine.building import build_pipeline_config  # noqa: E402
 from engine.events import RunFinished, RunOutput, StageFinished, StageStarted  # noqa: E402
 from engine.models import describe_model  # noqa: E402
 from engine.request import GenerationParams, GenerationRequest, ResolvedRequest  # noqa: E402

@@ -332,7 +332,7 @@ def _stage_backend(stage: ResolvedStage) -> str:
 
 
 def _stage_devices(stage: ResolvedStage, backend: str) -> tuple[str, ...]:
-    from engine.engine import resolve_device
+    from engine.building import resolve_device
 
     args = stage.engine_args
     workers = args.tensor_parallel * args.pipeline_parallel

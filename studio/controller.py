@@ -23,8 +23,9 @@ from typing import Any
 import yaml
 
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
+from engine.building import device_problems, pipeline_config_from_text
 from engine.config import ConfigProblem, DeployConfigError, PipelineConfig, parse_deploy_yaml_text
-from engine.engine import EngineBuildError, build_engine, device_problems, pipeline_config_from_text
+from engine.engine import EngineBuildError, build_engine
 from engine.events import EngineEvent
 from engine.modality import OutputModality
 from engine.models import ModelSource, describe_model

@@ -18,8 +18,8 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
 from engine import OmniEngine, build_engine
+from engine.building import build_pipeline_config
 from engine.config import PipelineConfig
-from engine.engine import build_pipeline_config
 from engine.events import RunFailed, RunFinished, RunOutput, StageFinished, StageStarted
 from engine.models import describe_model
 from engine.request import GenerationParams, GenerationRequest, ResolvedRequest

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from engine.building import build_pipeline_config, device_problems
 from engine.config import (
     DeployConfigError,
     load_deploy_config,
@@ -13,7 +14,6 @@ from engine.config import (
     parse_deploy_file,
     resolve_pipeline_config,
 )
-from engine.engine import build_pipeline_config, device_problems
 from engine.models import describe_model
 from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import get_family
@@ -356,7 +356,7 @@ def test_shipped_shapes_model_config_hash_is_pinned():
 def test_deploy_text_that_is_a_plain_string_is_not_read_as_a_path(tmp_path):
     """The Pipeline tab validates YAML *text*: a document that is just a path is a config problem, and
     the file it names is not read (it once was: a parsed string went down the deploy-file path)."""
-    from engine.engine import pipeline_config_from_text
+    from engine.building import pipeline_config_from_text
 
     real = tmp_path / "deploy.yaml"
     real.write_text("stages:\n- stage_id: 0\n  max_num_seqs: 2\n")

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.building import build_pipeline_config
 from engine.config import DeployConfigError
-from engine.engine import build_engine, build_pipeline_config
+from engine.engine import build_engine
 from engine.models import describe_model
 from studio.cli import main
 from tests.servers import s3_server

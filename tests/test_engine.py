@@ -21,8 +21,9 @@ from engine import (
     TextDelta,
     TokenProgress,
 )
+from engine.building import build_pipeline_config
 from engine.config import StageTemplate
-from engine.engine import EngineBuildError, OmniEngine, build_pipeline_config
+from engine.engine import EngineBuildError, OmniEngine
 from engine.models import describe_model, materialize
 from engine.paths import model_cache_dir
 from tests.conftest import png

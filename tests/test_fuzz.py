@@ -316,8 +316,8 @@ def check_deploy_document(document: object) -> None:
     and a key that is there (or ``stage_id``, the one required key); nothing else."""
     import yaml
 
+    from engine.building import pipeline_config_from_text
     from engine.config import DeployConfigError, PipelineConfig
-    from engine.engine import pipeline_config_from_text
     from engine.models import describe_model
 
     text = yaml.safe_dump(document, allow_unicode=False)
@@ -356,8 +356,8 @@ def test_deploy_documents_known_outcomes():
     the stage and key of each problem (so a wrong stage or key in a problem fails the fuzz test below)."""
     import yaml
 
+    from engine.building import pipeline_config_from_text
     from engine.config import DeployConfigError
-    from engine.engine import pipeline_config_from_text
     from engine.models import describe_model
 
     preset = (Path(__file__).parent.parent / "assets" / "deploy" / "tiny-glm-image.yaml").read_text()

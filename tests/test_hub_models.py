@@ -24,7 +24,7 @@ import pytest
 from huggingface_hub import constants
 from PIL import Image
 
-from engine.engine import build_pipeline_config
+from engine.building import build_pipeline_config
 from engine.models import ModelNotFound, describe_model, materialize
 from engine.tiny import COMPLETE_MARKER, ensure_builtin_model
 from tests.conftest import REPO_ROOT

@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from engine.engine import build_pipeline_config
+from engine.building import build_pipeline_config
 from engine.memory_estimate import (
     CheckpointError,
     DeviceBudget,

@@ -220,7 +220,7 @@ def test_cli_replays_record_the_fingerprint_the_originals_settings_give(recorded
     would give on the replay's config (on the same config: the original's own, so the PNG bytes match)."""
     from types import SimpleNamespace
 
-    from engine.engine import build_pipeline_config
+    from engine.building import build_pipeline_config
     from engine.models import describe_model
 
     config = build_pipeline_config(describe_model(MODEL), tiny_deploy(MODEL, stage1={"max_num_seqs": 2}))

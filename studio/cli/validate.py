@@ -11,7 +11,7 @@ from studio.startup.settings import StudioSettings
 
 
 def cmd_validate(args: argparse.Namespace, settings: StudioSettings) -> int:
-    from engine.engine import build_pipeline_config, device_problems
+    from engine.building import build_pipeline_config, device_problems
     from engine.models import ModelNotFound, describe_model
     from engine.pipelines import UnknownModelFamily
 

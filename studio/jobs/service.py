@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from PIL import Image
 
 from engine import GenerationParams, GenerationRequest, OmniEngine, RequestError
+from engine.building import build_pipeline_config, device_problems
 from engine.config import DeployConfigError, PipelineConfig
-from engine.engine import EngineBuildError, build_engine, build_pipeline_config, device_problems
+from engine.engine import EngineBuildError, build_engine
 from engine.events import RunFailed, RunFinished
 from engine.modality import OutputModality
 from engine.models import ModelNotFound, ModelSource, describe_model
