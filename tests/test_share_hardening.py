@@ -159,7 +159,7 @@ def shared(tmp_path_factory, share_guard) -> Iterator[Shared]:
     data_dir = tmp_path_factory.mktemp("shared") / "data"
     with running_server(["ui", "--share"], data_dir) as server:
         log = server.log()
-        # no public link: the share step went to the test run's refusing stand-in (tests/conftest.py)
+        # no public link: the share step went to the test run's refusing stand-in (tests/share_guard.py)
         assert any(call[call.index("-l") + 1] == str(server.port) for call in share_guard.calls())
         assert "share link: not available" in log, log
         login = re.search(r"UI login: (\S+) / (\S+)", log)

@@ -1,5 +1,5 @@
 """`--share`: a login and an API key are generated and printed, and both are enforced. The test run's share
-guard (tests/conftest.py, docs/testing.md) refuses the tunnel on 127.0.0.1, so Gradio reports that it could
+guard (tests/share_guard.py, docs/testing.md) refuses the tunnel on 127.0.0.1, so Gradio reports that it could
 not create the link and the studio keeps serving locally; the first test proves nothing leaves the machine."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_share_guard_refuses_the_tunnel_without_leaving_the_machine(share_guard)
 def test_share_without_auth_generates_credentials_and_protects_the_api(tmp_path, share_guard):
     with running_server(["ui", "--share"], tmp_path / "data", ready_path="/health") as server:
         log = server.log()
-        # the studio's share step went to the guard (tests/conftest.py) and it said so
+        # the studio's share step went to the guard (tests/share_guard.py) and it said so
         assert any(call[call.index("-l") + 1] == str(server.port) for call in share_guard.calls())
         assert "share link: not available" in log, log
         login = re.search(r"UI login: (\S+) / (\S+)", log)
