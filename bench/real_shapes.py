@@ -23,12 +23,10 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine.processors import grid_layout, upsample_grid_ids  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from tests.servers import LiveServer  # noqa: E402
+from tests.servers import start_server as start_live_server  # noqa: E402
 from tools.real_width.builder import DEFAULT_LAYERS, ensure_built  # noqa: E402
 from tools.real_width.handoff_probe import LOG_ENV  # noqa: E402
 
@@ -93,69 +92,17 @@ def vm_kib(pid: int, field: str = "VmHWM") -> int | None:
     return None
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
-
-
 def start_server(
     model: str, deploy: Path, data_dir: Path, handoff_log: Path, deadline_s: float, extra: list[str]
-) -> Server:
+) -> LiveServer:
     """``omni-studio serve`` (through the hand-off probe, tools/real_width/handoff_probe.py) on a free
     127.0.0.1 port; returns once ``/health`` answers, raises with the log if it exits first."""
-    port = free_port()
-    log_path = data_dir / f"server-{port}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "tools.real_width.handoff_probe",
-        "serve",
-        "--model",
-        model,
-        "--deploy-config",
-        str(deploy),
-        "--served-model-name",
-        SERVED_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
-        *extra,
-    ]
-    env = {**os.environ, LOG_ENV: str(handoff_log), "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    server = Server(process, port, log_path)
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"server did not answer /health in {deadline_s:.0f}s:\n{server.log()}")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = ["serve", "--model", model, "--deploy-config", str(deploy), "--served-model-name", SERVED_NAME]
+    env = {LOG_ENV: str(handoff_log), "PYTHONUNBUFFERED": "1"}
+    return start_live_server(
+        [*args, *extra], data_dir, timeout=deadline_s, module="tools.real_width.handoff_probe", env=env
+    )
 
 
 KV_BLOCK = 128  # vLLM's CPU KV block, in tokens

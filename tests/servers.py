@@ -50,17 +50,27 @@ class LiveServer:
                 self.process.wait(timeout=10)
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
 def start_server(
-    args: list[str], data_dir: Path, ready_path: str = "/health", timeout: float = 120
+    args: list[str],
+    data_dir: Path,
+    ready_path: str = "/health",
+    timeout: float = 120,
+    module: str = "studio.cli",
+    env: dict[str, str] | None = None,
 ) -> LiveServer:
-    """Run ``omni-studio ARGS --host 127.0.0.1 --port P --data-dir D`` and wait until it answers."""
+    """Run ``omni-studio ARGS --host 127.0.0.1 --port P --data-dir D`` (``python -m MODULE``: the CLI, or
+    a wrapper of it such as tools/real_width/handoff_probe.py; ``env``: added to this process's) and wait
+    until it answers."""
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / f"server-{port}.log"
     command = [
         sys.executable,
         "-m",
-        "studio.cli",
+        module,
         *args,
         "--host",
         "127.0.0.1",
@@ -70,7 +80,9 @@ def start_server(
         str(data_dir),
     ]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO_ROOT
+        )
     server = LiveServer(process, port, log_path, data_dir)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
