@@ -9,8 +9,9 @@ the released model gives at that size, each stage's time and the rates, and the 
 
     .venv/bin/python bench/real_shapes.py [--steps 2] [--size 1024] [--seed-deploy YAML] [--model DIR]
 
-The seed deploy YAML is used unchanged first; if the server refuses it, the refusal is printed and the
-run goes on with the smallest CPU override (docs/real-shapes.md, "The deploy YAML on CPU").
+The seed deploy YAML is used unchanged; on a machine without a GPU the server gets `--devices cpu` (the
+seed places both stages on GPU 0), which moves every stage to the CPU without editing the YAML
+(docs/real-shapes.md, "The deploy YAML on CPU").
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,35 +105,8 @@ def start_server(
     )
 
 
-KV_BLOCK = 128  # vLLM's CPU KV block, in tokens
-
-
 def gib(kib: int | None) -> str:
     return f"{kib / 2**20:.2f} GiB" if kib else "n/a"
-
-
-def cpu_override(config: dict[str, Any], error: str, model: str) -> list[str]:
-    """The next smallest change to ``config`` (in place) that answers the server's refusal ``error``;
-    what was changed, in words (empty when nothing here answers it)."""
-    changed = []
-    if "names GPU" in error:  # devices: '0' on a machine without a GPU
-        for stage in config.get("stages", []):
-            if "devices" in stage and str(stage["devices"]) != "cpu":
-                changed.append(f"stage {stage.get('stage_id')}: devices {stage['devices']!r} -> cpu")
-                stage["devices"] = "cpu"
-    elif "KV cache" in error and "max seq len" in error:
-        # The studio's default CPU KV cache is exactly max_model_len tokens; vLLM wants a block more.
-        from transformers import AutoConfig
-
-        text = AutoConfig.from_pretrained(Path(model) / "vision_language_encoder").get_text_config()
-        head_dim = text.hidden_size // text.num_attention_heads
-        per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4
-        for stage in config.get("stages", []):
-            if stage.get("stage_id") == 0 and "kv_cache_memory_bytes" not in stage:
-                length = int(stage.get("max_model_len") or text.max_position_embeddings)
-                stage["kv_cache_memory_bytes"] = per_token * (length + 2 * KV_BLOCK)
-                changed.append(f"stage 0: kv_cache_memory_bytes: {stage['kv_cache_memory_bytes']}")
-    return changed
 
 
 def stage_records(data_dir: Path) -> list[dict[str, Any]]:
@@ -210,24 +183,21 @@ def main() -> int:
     deploy.write_text(seed_text)  # exactly the seed's YAML
     print(f"deploy: {args.seed_deploy} (copied unchanged to {deploy})", flush=True)
 
+    import torch
+
     extra = shlex.split(args.serve_args)
-    config = yaml.safe_load(seed_text)
-    override: list[str] = []
-    while True:
-        started = time.perf_counter()
-        try:
-            server = start_server(model, deploy, data_dir, handoff_log, args.start_timeout, extra)
-            break
-        except RuntimeError as exc:
-            which = "unchanged" if not override else "with the override so far"
-            print(f"\nFINDING: the seed deploy YAML does not start here, {which}:\n{exc}\n", flush=True)
-            changed = cpu_override(config, str(exc), model)
-            if not changed:
-                return 1
-            override += changed
-            deploy = data_dir / f"seed-deploy-cpu-{len(override)}.yaml"
-            deploy.write_text(yaml.safe_dump(config, sort_keys=False))
-            print("retrying with the CPU override: " + "; ".join(override), flush=True)
+    placement = "the YAML's own devices"
+    if "--devices" not in extra and not torch.cuda.is_available():
+        # The seed places both stages on GPU 0; here they run on the CPU, the YAML unchanged.
+        extra += ["--devices", "cpu"]
+        placement = "serve --devices cpu (no GPU here; the YAML unchanged)"
+    print(f"placement: {placement}", flush=True)
+    started = time.perf_counter()
+    try:
+        server = start_server(model, deploy, data_dir, handoff_log, args.start_timeout, extra)
+    except RuntimeError as exc:
+        print(f"\nFINDING: the seed deploy YAML does not start here:\n{exc}\n", flush=True)
+        return 1
     startup_s = time.perf_counter() - started
     pid = server.process.pid
     ready_rss, ready_peak = vm_kib(pid, "VmRSS"), vm_kib(pid)
@@ -302,9 +272,7 @@ def main() -> int:
         rss, peak = peaks.get(case, (None, None))
         print(f"after {case}:   RSS {gib(rss)}, peak {gib(peak)}")
     print(f"at the end:  peak {gib(peak_end)}")
-    print(
-        f"\nstartup {startup_s:.1f}s; deploy {'seed YAML unchanged' if not override else 'CPU override: ' + '; '.join(override)}"
-    )
+    print(f"\nstartup {startup_s:.1f}s; deploy: the seed YAML unchanged; placement: {placement}")
     ok = len(handoffs) == len(args.cases) and all(
         (r["ar_tokens"], r["prior_tokens"], r["prior_image_ids_present"])
         == tuple((SEED_HANDOFF[c] if args.size == 1024 else expected[c]).values())

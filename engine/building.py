@@ -23,6 +23,7 @@ from engine.config import (
     parse_deploy_yaml_text,
     resolve_pipeline_config,
 )
+from engine.config.deploy import DEVICES_PATTERN
 from engine.models import ModelSource, model_sampling_defaults
 
 
@@ -64,8 +65,10 @@ def build_pipeline_config(
     source: ModelSource,
     deploy: DeployConfig | dict | str | Path | None = None,
     ar_backend: str | None = None,
+    devices: str | None = None,
 ) -> PipelineConfig:
     """Validate ``deploy`` (a model, a parsed YAML document or a path) against ``source``'s family.
+    ``ar_backend`` / ``devices`` (``--ar-backend``, ``--devices``): override every stage's.
 
     A parsed document that is not a mapping (YAML ``true``, a list...) is reported as a config problem.
     """
@@ -78,7 +81,7 @@ def build_pipeline_config(
         deploy, problems = parse_deploy_file(deploy)
     elif deploy is not None and not isinstance(deploy, DeployConfig):
         deploy, problems = parse_deploy_config(deploy)
-    return _resolve_for(source, deploy, problems, label, ar_backend)
+    return _resolve_for(source, deploy, problems, label, ar_backend, devices)
 
 
 def with_model_defaults(source: ModelSource, deploy: DeployConfig | None) -> DeployConfig | None:
@@ -116,9 +119,22 @@ def _resolve_for(
     problems: list[ConfigProblem],
     label: str | None,
     ar_backend: str | None,
+    devices: str | None = None,
 ) -> PipelineConfig:
+    deploy = with_model_defaults(source, deploy)
+    if devices and not DEVICES_PATTERN.match(devices):
+        problems = [
+            *problems,
+            ConfigProblem(
+                None,
+                "devices",
+                f"--devices {devices!r}: use 'auto', 'cpu' or GPU indices such as '0' or '0,1'",
+            ),
+        ]
+    elif devices:
+        deploy = with_devices(source, deploy, devices)
     config = resolve_pipeline_config(
-        with_model_defaults(source, deploy),
+        deploy,
         source.family.name,
         source.family.templates,
         source.name,
@@ -132,7 +148,7 @@ def _resolve_for(
 
 
 def pipeline_config_from_text(
-    source: ModelSource, text: str, ar_backend: str | None = None
+    source: ModelSource, text: str, ar_backend: str | None = None, devices: str | None = None
 ) -> PipelineConfig:
     """Validate deploy YAML *text* (the Pipeline tab's editor) against ``source``'s family.
 
@@ -141,7 +157,22 @@ def pipeline_config_from_text(
     """
     data = parse_deploy_yaml_text(text)
     deploy, problems = parse_deploy_config(data if data is not None else {})
-    return _resolve_for(source, deploy, problems, None, ar_backend)
+    return _resolve_for(source, deploy, problems, None, ar_backend, devices)
+
+
+def with_devices(source: ModelSource, deploy: DeployConfig | None, devices: str) -> DeployConfig:
+    """``--devices``: every stage of the family placed on ``devices`` (checked against
+    :data:`DEVICES_PATTERN` by the caller), whatever the document says: a GPU deploy config runs unchanged
+    on a CPU with ``--devices cpu``."""
+    deploy = deploy or DeployConfig()
+    listed = {stage.stage_id for stage in deploy.stages}
+    stages = [stage.model_copy(update={"devices": devices}) for stage in deploy.stages]
+    stages += [
+        StageConfig.model_validate({"stage_id": t.stage_id, "devices": devices})
+        for t in source.family.templates
+        if t.stage_id not in listed
+    ]
+    return deploy.model_copy(update={"stages": stages})
 
 
 def with_ar_backend(config: PipelineConfig, backend: str) -> PipelineConfig:

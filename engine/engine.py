@@ -567,6 +567,7 @@ def build_engine(
     ar_backend: str | None = None,
     max_pending: int = 64,
     ray_address: str | None = None,
+    devices: str | None = None,
 ) -> OmniEngine:
     """Resolve ``model``, validate ``deploy_config`` against it, build the model if built in, start.
 
@@ -574,7 +575,7 @@ def build_engine(
     actors on that cluster (docs/distributed.md); without either the engine runs in this process.
     """
     source = describe_model(model)
-    config = build_pipeline_config(source, deploy_config, ar_backend)  # validation before anything loads
+    config = build_pipeline_config(source, deploy_config, ar_backend, devices)  # validated before loading
     address = ray_address or (config.ray.address if config.ray is not None else None)
     if config.ray is not None and not address:
         raise DeployConfigError(

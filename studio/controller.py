@@ -89,6 +89,7 @@ class Studio:
         store: Any | None = None,
         deploy_text: str | None = None,
         ar_backend: str | None = None,
+        devices: str | None = None,
     ) -> None:
         self.engine = engine
         self.serving = serving
@@ -96,6 +97,7 @@ class Studio:
         self.recorder = recorder
         self.store = store
         self.ar_backend = ar_backend
+        self.devices = devices  # --devices: kept across Apply
         self.deploy_text = deploy_text if deploy_text is not None else self.default_deploy_text(engine.model)
         files = store.files if store is not None else OutputFiles.in_data_dir(self.data_dir)
         self.runs = RunService(recorder, "ui", files, limits=serving.options.limits, board=serving.board)
@@ -146,7 +148,7 @@ class Studio:
         from engine.memory_estimate import CheckpointError, estimate_memory
 
         try:
-            config = pipeline_config_from_text(self.model, text, self.ar_backend)
+            config = pipeline_config_from_text(self.model, text, self.ar_backend, self.devices)
             # On a Ray cluster a stage's devices are its node's, not this machine's (docs/distributed.md).
             local = check_devices and not self.engine.ray_address
             problems = device_problems(config) if local else []
@@ -190,7 +192,7 @@ class Studio:
         try:
             source = describe_model(model)
             text = self.default_deploy_text(source)
-            config = pipeline_config_from_text(source, text, self.ar_backend)
+            config = pipeline_config_from_text(source, text, self.ar_backend, self.devices)
         except DeployConfigError as exc:
             return ValidationReport(False, exc.problems)
         except (ValueError, UnknownModelFamily) as exc:
@@ -212,6 +214,7 @@ class Studio:
                     deploy,
                     data_dir=self.data_dir,
                     ar_backend=self.ar_backend,
+                    devices=self.devices,
                     max_pending=self.engine.max_pending,
                     ray_address=self.engine.ray_address,
                 )

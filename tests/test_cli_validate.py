@@ -33,6 +33,20 @@ def test_check_devices_reports_missing_gpus_with_a_hint(capsys):
     assert "stage 0: devices" in err and "stage 1: devices" in err and "devices: cpu" in err
 
 
+def test_devices_flag_places_every_stage_whatever_the_deploy_config_says(tmp_path, capsys):
+    """--devices cpu runs a GPU deploy config unchanged on this CPU (README, "Serving your own model"):
+    every stage, listed or not, is placed there; a malformed value names the key and what it takes."""
+    gpu_only = write(tmp_path, {"stages": [{"stage_id": 0, "devices": "7"}]})  # no machine here has 8 GPUs
+    assert main(["validate", gpu_only, "--check-devices"]) == 1
+    assert "stage 0: devices" in capsys.readouterr().err
+    assert main(["validate", gpu_only, "--check-devices", "--devices", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("devices=cpu") == 2, out  # stage 1 too, which the document leaves out
+    assert main(["validate", gpu_only, "--devices", "a-gpu"]) == 1
+    err = capsys.readouterr().err
+    assert "devices" in err and "'auto', 'cpu' or GPU indices" in err, err
+
+
 @pytest.mark.parametrize("spelling", ["text", "token_ids", "text+token_ids", "token_ids,text"])
 def test_every_canonical_ar_spelling_is_accepted(tmp_path, spelling, capsys):
     path = write(tmp_path, {"stages": [{"stage_id": 0, "engine_output_type": spelling}]})

@@ -111,6 +111,7 @@ def run_batch(args: argparse.Namespace, settings: StudioSettings) -> int:
             limits=settings.limits,
             data_dir=settings.data_dir,
             ar_backend=settings.ar_backend,
+            devices=settings.devices,
             only=set(),
             on_change=bar.update if bar is not None else None,
         )

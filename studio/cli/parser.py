@@ -63,6 +63,13 @@ def _options(groups: tuple[str, ...], defaults: bool, limits: tuple[str, ...] | 
             default=_d(None),
             help="backend of every AR stage (default: each stage's `backend`, else auto)",
         )
+        g.add_argument(
+            "--devices",
+            default=_d(None),
+            metavar="auto|cpu|GPUS",
+            help="place every stage here, whatever the deploy config's `devices` say (e.g. cpu: run a GPU "
+            "deploy config unchanged on this CPU)",
+        )
     if "serving" in groups:
         s = shared.add_argument_group("serving")
         s.add_argument(
@@ -417,6 +424,7 @@ def settings_from_args(args: argparse.Namespace) -> StudioSettings:
         model=_model_arg(args),
         deploy_config=args.deploy_config,
         ar_backend=args.ar_backend,
+        devices=args.devices,
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,

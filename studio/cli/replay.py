@@ -154,7 +154,11 @@ def build_target(spec: TargetSpec, settings: StudioSettings) -> ReplayTarget:
 
     try:
         engine: OmniEngine = build_engine(
-            spec.model, spec.deploy, data_dir=settings.data_dir, ar_backend=settings.ar_backend
+            spec.model,
+            spec.deploy,
+            data_dir=settings.data_dir,
+            ar_backend=settings.ar_backend,
+            devices=settings.devices,
         )
     except DeployConfigError as exc:
         raise StartupError(exc.render()) from exc

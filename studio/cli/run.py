@@ -51,6 +51,7 @@ RUN_REQUEST_FIELDS = (
     "model",
     "deploy_config",
     "ar_backend",
+    "devices",
 )
 
 

@@ -20,7 +20,7 @@ def cmd_validate(args: argparse.Namespace, settings: StudioSettings) -> int:
     except (ModelNotFound, UnknownModelFamily) as exc:
         raise UserError(str(exc)) from exc
     try:
-        config = build_pipeline_config(source, args.file, settings.ar_backend)
+        config = build_pipeline_config(source, args.file, settings.ar_backend, settings.devices)
         if args.check_devices:
             problems = device_problems(config)
             # Each stage's memory from the checkpoint's files, never loaded (docs/memory.md); a built-in

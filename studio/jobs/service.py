@@ -157,6 +157,7 @@ class JobService:
         limits: InputLimits | None = None,
         data_dir: Path | None = None,
         ar_backend: str | None = None,
+        devices: str | None = None,
         board: RequestBoard | None = None,
         only: set[str] | None = None,
         on_change: Callable[[JobRecord], None] | None = None,
@@ -170,6 +171,7 @@ class JobService:
         self.limits = limits or InputLimits()
         self.data_dir = Path(data_dir) if data_dir is not None else store.data_dir
         self.ar_backend = ar_backend
+        self.devices = devices
         self.board = board
         self.worker = store.owner  # the runs.owner format: other processes can tell whether we live
         self.runs = RunService(recorder, "job", store.files, limits=self.limits, board=board)
@@ -201,6 +203,7 @@ class JobService:
             limits=settings.limits,
             data_dir=settings.data_dir,
             ar_backend=settings.ar_backend,
+            devices=settings.devices,
             board=serving.board,
         )
 
@@ -224,7 +227,7 @@ class JobService:
         deploy: Any = target.deploy
         if isinstance(deploy, str):
             deploy = DEPLOY_PRESETS_DIR / f"{deploy}.yaml"
-        return build_pipeline_config(source, deploy, self.ar_backend)
+        return build_pipeline_config(source, deploy, self.ar_backend, self.devices)
 
     def _target(self, params: CellParameters, engine: OmniEngine) -> Target:
         model = params.model or engine.model.name
@@ -558,6 +561,7 @@ class JobService:
                     self._deploy_of(target),
                     data_dir=self.data_dir,
                     ar_backend=self.ar_backend,
+                    devices=self.devices,
                     max_pending=served.max_pending,
                 )
             except (EngineBuildError, DeployConfigError, ModelNotFound, ValueError) as exc:

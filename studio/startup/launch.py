@@ -119,6 +119,7 @@ def start_engine(settings: StudioSettings, max_pending: int = 64) -> OmniEngine:
             settings.deploy_config,
             data_dir=settings.data_dir,
             ar_backend=settings.ar_backend,
+            devices=settings.devices,
             max_pending=max_pending,
             ray_address=settings.ray_address,
         )
@@ -371,6 +372,7 @@ def _serve_ui(
         store=recorder.store,
         deploy_text=settings.deploy_text(),
         ar_backend=settings.ar_backend,
+        devices=settings.devices,
     )
     studio.share.requested = settings.share
     studio.admin_user = auth[0] if auth is not None else None  # the Queue tab's admin (docs/jobs.md)

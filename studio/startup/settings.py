@@ -25,6 +25,7 @@ class StudioSettings:
     model: str | None = None  # a built-in model name or a local HF-format folder; None: the default model
     deploy_config: str | None = None  # the path as given (error messages quote it)
     ar_backend: str | None = None
+    devices: str | None = None  # --devices: every stage placed here, whatever the deploy config says
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 7860
