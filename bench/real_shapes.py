@@ -109,6 +109,19 @@ def gib(kib: int | None) -> str:
     return f"{kib / 2**20:.2f} GiB" if kib else "n/a"
 
 
+def memory_estimate(model: str, deploy: Path, extra: list[str]) -> int | None:
+    """Bytes engine/memory_estimate.py expects on the CPU for this model and deploy YAML (what
+    ``validate --check-devices`` prints), with the serve flags' ``--devices``."""
+    from engine.building import build_pipeline_config
+    from engine.memory_estimate import estimate_memory
+    from engine.models import describe_model
+
+    devices = extra[extra.index("--devices") + 1] if "--devices" in extra else None
+    config = build_pipeline_config(describe_model(model), deploy, None, devices)
+    need = estimate_memory(config, Path(model)).need("cpu")
+    return need or None
+
+
 def stage_records(data_dir: Path) -> list[dict[str, Any]]:
     """Every recorded run with its stages, oldest first (``omni-studio history``, the run store)."""
 
@@ -272,6 +285,12 @@ def main() -> int:
         rss, peak = peaks.get(case, (None, None))
         print(f"after {case}:   RSS {gib(rss)}, peak {gib(peak)}")
     print(f"at the end:  peak {gib(peak_end)}")
+    estimated = memory_estimate(model, deploy, extra)
+    if estimated and peak_end:
+        print(
+            f"estimate before loading (validate --check-devices): {gib(estimated // 1024)} on cpu; measured "
+            f"peak / estimate: {peak_end * 1024 / estimated:.2f} (target: within 25%, 0.75-1.25)"
+        )
     print(f"\nstartup {startup_s:.1f}s; deploy: the seed YAML unchanged; placement: {placement}")
     ok = len(handoffs) == len(args.cases) and all(
         (r["ar_tokens"], r["prior_tokens"], r["prior_image_ids_present"])
