@@ -24,7 +24,8 @@ from PIL import Image
 
 from studio.cli import main
 from studio.jobs.grid import compose_grid, grid_layout
-from studio.jobs.service import JobService, cell_request
+from studio.jobs.runner import cell_request
+from studio.jobs.service import JobService
 from studio.jobs.spec import JobSpec, JobSpecError, load_job_file, parse_job_spec
 from studio.recipes.recipe import RecipeError, read_recipe
 from studio.runs.inflight import RequestBoard

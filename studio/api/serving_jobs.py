@@ -14,7 +14,8 @@ from fastapi.responses import FileResponse, JSONResponse
 from studio.api.errors import APIError
 from studio.api.protocol_jobs import JobGrid, JobItemOut, JobList, JobObject, JobProgress
 from studio.api.serving_base import client_id
-from studio.jobs.service import JobFinished, JobNotFound, JobService, JobsUnavailable
+from studio.jobs.runner import JobsUnavailable
+from studio.jobs.service import JobFinished, JobNotFound, JobService
 from studio.jobs.spec import JobSpecError, parse_job_spec
 from studio.startup.limits import InputLimits
 from studio.store.jobs import JOB_STATUSES, JobRecord

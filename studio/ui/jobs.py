@@ -11,7 +11,8 @@ import gradio as gr
 import yaml
 
 from studio.controller import Studio
-from studio.jobs.service import JobService, JobsUnavailable
+from studio.jobs.runner import JobsUnavailable
+from studio.jobs.service import JobService
 from studio.jobs.spec import (
     AXIS_PARAMS,
     SPEC_EXAMPLE,
