@@ -32,7 +32,7 @@ from engine.models import ModelSource, describe_model
 from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import UnknownModelFamily
 from engine.tiny import BUILTIN_MODELS
-from studio.api.app import ServingState
+from studio.api.state import ServingState
 from studio.runs.service import Queued, RunRejected, RunService
 from studio.store.files import OutputFiles
 

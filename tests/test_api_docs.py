@@ -12,10 +12,11 @@ from fastapi.testclient import TestClient
 from openapi_spec_validator import validate
 from pydantic import ValidationError
 
-from studio.api.app import API_ROUTES, ServingOptions, ServingState, create_app
+from studio.api.app import API_ROUTES, create_app
 from studio.api.errors import from_validation_error
 from studio.api.protocol import ChatCompletionRequest
 from studio.api.signing import URLSigner, load_secret
+from studio.api.state import ServingOptions, ServingState
 from tests.servers import running_server
 
 

@@ -11,7 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from studio.api.app import ServingOptions, ServingState, create_app
+from studio.api.app import create_app
+from studio.api.state import ServingOptions, ServingState
 from studio.startup.limits import InputLimits
 
 

@@ -12,8 +12,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from studio.api.app import ServingOptions, ServingState, create_app
+from studio.api.app import create_app
 from studio.api.fingerprint import FingerprintError, FingerprintSettings, system_fingerprint
+from studio.api.state import ServingOptions, ServingState
 
 MODES = [("full", None), ("hash", None), ("custom", "omni-fp-custom"), ("none", None)]
 
@@ -156,7 +157,7 @@ def test_rebuild_applies_a_new_mode_to_the_next_response(glm_engine):
 
 def _unwired(monkeypatch):
     """Reproduce the seed bug: the configured mode never reaches the handlers (they keep the default)."""
-    import studio.api.app as app_module
+    import studio.api.state as app_module
 
     monkeypatch.setattr(
         app_module,

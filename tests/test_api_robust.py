@@ -9,7 +9,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from studio.api.app import ServingOptions, ServingState, create_app
+from studio.api.app import create_app
+from studio.api.state import ServingOptions, ServingState
 from studio.startup.limits import InputLimits
 from studio.store import RunFilter
 

@@ -65,7 +65,8 @@ def live(tmp_path, model_cache) -> Iterator[LiveStudio]:
     """A studio serving a private copy of tiny-diffusion (a local model folder: Apply reloads its files)."""
     from engine.engine import build_engine
     from engine.models import describe_model, materialize
-    from studio.api.app import ServingState, create_app
+    from studio.api.app import create_app
+    from studio.api.state import ServingState
     from studio.controller import Studio
     from studio.startup.launch import BackgroundServer, close_recorder, listen, open_recorder, serving_options
     from studio.startup.settings import StudioSettings

@@ -12,8 +12,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from studio.api.app import ServingOptions, ServingState, create_app
+from studio.api.app import create_app
 from studio.api.refusals import MAX_REFUSALS, WINDOW_S, RefusalRate
+from studio.api.state import ServingOptions, ServingState
 from studio.startup.limits import InputLimits
 
 CHAT = "/v1/chat/completions"

@@ -15,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from studio.api import auth
-from studio.api.app import ServingOptions, ServingState, create_app
+from studio.api.app import create_app
+from studio.api.state import ServingOptions, ServingState
 from tests.servers import LiveServer, running_server
 
 

@@ -10,8 +10,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "studio.api.app": ("ServingOptions", "ServingState", "create_api_router", "create_app"),
+    "studio.api.app": ("create_api_router", "create_app"),
     "studio.api.fingerprint": ("FingerprintError", "FingerprintSettings", "system_fingerprint"),
+    "studio.api.state": ("ServingOptions", "ServingState"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

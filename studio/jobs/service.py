@@ -39,7 +39,7 @@ class JobFinished(ValueError):
 
 
 class ServingView(Protocol):
-    """What the job service reads from the API's serving state (``studio.api.app.ServingState``)."""
+    """What the job service reads from the API's serving state (``studio.api.state.ServingState``)."""
 
     engine: OmniEngine | None
     board: RequestBoard

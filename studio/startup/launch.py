@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import uvicorn
 
     from engine import OmniEngine
-    from studio.api.app import ServingOptions
+    from studio.api.state import ServingOptions
     from studio.jobs.service import JobService
     from studio.store.recorder import RunRecorder
 
@@ -158,8 +158,8 @@ def start_jobs(serving: Any, recorder: RunRecorder, settings: StudioSettings) ->
 
 
 def serving_options(settings: StudioSettings) -> ServingOptions:
-    from studio.api.app import ServingOptions
     from studio.api.fingerprint import FingerprintSettings
+    from studio.api.state import ServingOptions
 
     return ServingOptions(
         served_model_name=settings.served_model_name,
@@ -347,7 +347,8 @@ def _serve_ui(
         options = replace(options, api_key=generated_key)
     engine = start_engine(settings)
 
-    from studio.api.app import ServingState, create_app
+    from studio.api.app import create_app
+    from studio.api.state import ServingState
 
     recorder = open_recorder(settings)
     serving = ServingState(engine, options, recorder=recorder, source="api")

@@ -11,8 +11,9 @@ from typing import Any
 
 import gradio as gr
 
-from studio.api.app import ServingState, create_api_router
+from studio.api.app import create_api_router
 from studio.api.auth import guard_gradio_login, limiter_for
+from studio.api.state import ServingState
 from studio.controller import Studio
 from studio.ui.chat import build_chat_tab
 from studio.ui.history import build_history_tab
