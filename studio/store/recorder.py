@@ -15,7 +15,6 @@ thread, in the order enqueued. A :class:`RunTracker` per request turns the engin
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
 import queue
@@ -34,6 +33,7 @@ from engine.request import ResolvedRequest
 from studio.media.images import png_bytes
 from studio.store.journal import Journal, apply_entries, journal_dir
 from studio.store.models import RUN_SOURCES
+from studio.store.payloads import REFUSED_TEXT_KEPT, compact_payload, prompt_of
 from studio.store.records import storable
 from studio.store.store import RunStore
 
@@ -46,7 +46,6 @@ MAX_BATCH = 256  # queued writes committed together
 # Test-only: seconds the writer waits before each batch (a slow database), so that a test can stop a
 # server while writes are still queued and check they are not lost.
 WRITE_DELAY_ENV = "OMNI_STUDIO_TEST_WRITE_DELAY_S"
-MAX_INLINE_DATA_URL = 1024  # longer data: URLs in a request are replaced by a short description
 TEXT_MIME = "text/plain; charset=utf-8"
 
 _STOP = object()
@@ -87,53 +86,6 @@ class _Task:
 
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
-
-
-# A refused request's strings are kept up to this many characters: a client sending megabyte prompts
-# (refused by --max-prompt-chars) must not fill the database or make every refusal index a megabyte of
-# prompt text for search; the cut keeps the start, the length and a hash (docs/run-store.md).
-REFUSED_TEXT_KEPT = 4000
-
-
-def compact_payload(value: Any, max_text: int | None = None) -> Any:
-    """The request as received, with inline images (long ``data:`` URLs) replaced by a description, and
-    strings longer than ``max_text`` (when given) cut to their start, length and hash.
-
-    Base64 images would make every history row megabytes; the decoded source image is stored as the
-    run's ``source`` output instead.
-    """
-    if isinstance(value, dict):
-        return {k: compact_payload(v, max_text) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [compact_payload(v, max_text) for v in value]
-    if isinstance(value, str) and value.startswith("data:") and len(value) > MAX_INLINE_DATA_URL:
-        header = value.split(",", 1)[0]
-        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-        return f"{header},<{len(value)} characters omitted; sha256 {digest}>"
-    if isinstance(value, str) and max_text is not None and len(value) > max_text:
-        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-        return f"{value[:max_text]}…<{len(value)} characters in all, {len(value) - max_text} omitted; sha256 {digest}>"
-    return value
-
-
-def _prompt_of(payload: Any) -> str:
-    """The newest user text of a chat payload, or an images payload's prompt (best effort)."""
-    if not isinstance(payload, dict):
-        return ""
-    if isinstance(payload.get("prompt"), str):
-        return payload["prompt"]
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        for message in reversed(messages):
-            if isinstance(message, dict) and message.get("role") == "user":
-                content = message.get("content")
-                if isinstance(content, str):
-                    return content
-                if isinstance(content, list):
-                    return " ".join(
-                        p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-                    )
-    return ""
 
 
 def _output_file(store: RunStore, content: Any) -> Callable[[_Task], None]:
@@ -416,7 +368,7 @@ class RunRecorder:
         run_id = uuid.uuid4().hex
         created = time.time()
         payload = compact_payload(request_payload or {}, REFUSED_TEXT_KEPT)
-        prompt = _prompt_of(payload)
+        prompt = prompt_of(payload)
         body, config_hash = self._config_body(config) if config is not None else (None, None)
 
         values = {
