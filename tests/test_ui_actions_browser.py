@@ -49,6 +49,14 @@ def finished_run_id(page, studio) -> str:
     return recorded(studio, lambda store: store.resolve_run_id(match.group(1))).id
 
 
+def run_of_prompt(store: Any, prompt: str) -> str:
+    """The id of the latest run of ``prompt`` (LookupError until it is recorded)."""
+    for run in store.list_runs(limit=50):
+        if run.prompt == prompt:
+            return run.id
+    raise LookupError(prompt)
+
+
 def recorded(studio, find: Any, done: Any = lambda run: run.status not in ("queued", "running")) -> Any:
     """The run ``find(store)`` names, once the studio's recorder wrote it and ``done(run)`` holds."""
     from studio.store import open_store
@@ -218,11 +226,13 @@ def test_a_text_model_answers_in_text_in_the_chat(page, studio):
     page.get_by_role("option", name="tiny-chat", exact=True).click()
     try:
         wait_text(page, "#omni-chat-status", "Now serving tiny-chat (chat)")
-        send_prompt(page, "say hello in five words")
-        run_id = finished_run_id(page, studio)
-        run = recorded(studio, lambda store: run_id)
+        prompt = f"say hello in five words {uuid.uuid4().hex[:8]}"
+        send_prompt(page, prompt)
+        # The run by its prompt in the store (the status line is shared with the model switch's messages).
+        run = recorded(studio, lambda store: run_of_prompt(store, prompt))
         assert run.status == "succeeded" and run.model == "tiny-chat" and run.text
         answer = page.locator("#omni-chatbot [data-testid='bot']").last
+        wait_text(page, "#omni-chatbot", run.text.strip())
         assert answer.inner_text().strip() == run.text.strip()
         assert page.locator("#omni-chatbot img").count() == 0  # text only, no picture
         assert not [o for o in run.outputs if o.kind == "image"]
