@@ -5,7 +5,7 @@ Handlers call :class:`studio.runs.service.RunService` directly (``resolve``, ``s
 ``admission_problem``); what is here turns its outcomes into HTTP errors (:func:`request_error`,
 :func:`rejection_error`) and watches the client while a non-streamed run works (:meth:`run_to_completion`).
 
-Handlers are built by :class:`studio.api.app.ServingState` *after* the fingerprint mode is applied, and
+Handlers are built by :class:`studio.api.state.ServingState` *after* the fingerprint mode is applied, and
 read ``context.system_fingerprint`` once at construction: changing the mode means building new handlers.
 Recording while streaming is :class:`studio.runs.service.RunService`'s job; this module turns its outcomes into
 HTTP errors.

@@ -151,7 +151,7 @@ def close_recorder(recorder: RunRecorder) -> None:
 
 
 def start_jobs(serving: Any, recorder: RunRecorder, settings: StudioSettings) -> JobService:
-    """The batch-job queue of this studio, its runner started (studio/jobs/service.py)."""
+    """The batch-job queue of this studio, its runner started (studio/jobs/runner.py)."""
     from studio.jobs.service import JobService
 
     return JobService.for_serving(serving, recorder, settings).start()

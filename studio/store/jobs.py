@@ -1,4 +1,4 @@
-"""Batch jobs in the run store: the persistent queue the job runner (``studio/jobs/service.py``) works through.
+"""Batch jobs in the run store: the persistent queue the job runner (``studio/jobs/runner.py``) works through.
 
 A job row holds the normalized spec, its status and progress counters, its place in the queue and, once
 done, its grid; an item row per cell holds the cell's axes values, the id of the run that makes it and

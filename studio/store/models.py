@@ -175,7 +175,7 @@ class Output(Base):
 
 
 class Job(Base):
-    """A batch job: prompts x seeds x up to two parameter axes, run cell by cell (``studio/jobs/service.py``).
+    """A batch job: prompts x seeds x up to two parameter axes, run cell by cell (``studio/jobs/runner.py``).
 
     ``spec`` is the normalized job (seeds and model pinned at submission, so a resumed job runs what was
     asked); ``position`` orders the queue (lower runs first; the Queue panel swaps it to move a job);
