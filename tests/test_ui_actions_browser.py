@@ -37,7 +37,9 @@ def studio(tmp_path_factory):
 
 def wait_text(page, selector: str, text: str) -> None:
     page.wait_for_function(
-        "([s, t]) => (document.querySelector(s)?.innerText || '').includes(t)", arg=[selector, text]
+        "([s, t]) => (document.querySelector(s)?.innerText || '').includes(t)",
+        arg=[selector, text],
+        timeout=WAIT_S * 1000,
     )
 
 
@@ -123,6 +125,13 @@ def test_stop_ends_the_running_generation_as_cancelled(page, studio):
     assert run.status == "cancelled" and run.source == "ui", (run.status, run.source)
     assert run.error and "cancelled" in run.error
     assert not [o for o in run.outputs if o.kind == "image"]
+    # The engine is free again: the next request runs.
+    response = httpx.post(
+        studio.url + "/v1/chat/completions",
+        timeout=WAIT_S,
+        json={"messages": [{"role": "user", "content": f"after stop {tag}"}], "seed": 1},
+    )
+    assert response.status_code == 200, response.text
 
 
 def _search(text: str) -> Any:
