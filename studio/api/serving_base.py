@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi import Request
 
-from engine import OmniEngine, RequestError, ResolvedRequest
+from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.events import RunFailed, RunFinished
 from studio.api.errors import APIError
 from studio.api.metrics import APIMetrics
@@ -122,6 +122,19 @@ class OpenAIServing:
             )
 
     prompt_field = "prompt"  # what the client calls the prompt (chat: ``messages``)
+
+    def start_run(
+        self, engine_request: GenerationRequest, payload: dict[str, Any]
+    ) -> tuple[ResolvedRequest, RunTracking]:
+        """Resolve the request (a bad field is a 400 naming it) and record its run as started."""
+        try:
+            resolved = self.runs.resolve(self.engine, engine_request)
+        except RequestError as exc:
+            raise request_error(exc, self.prompt_field) from exc
+        tracker = self.runs.start(
+            self.engine, resolved, self.served_model_name, self.system_fingerprint, payload
+        )
+        return resolved, tracker
 
     async def run_to_completion(
         self, resolved: ResolvedRequest, tracker: RunTracking, raw_request: Request | None

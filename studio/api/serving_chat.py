@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine import RequestError
 from engine.events import (
     DiffusionStep,
     EngineEvent,
@@ -40,7 +39,6 @@ from studio.api.serving_base import (
     recorded,
     rejection_error,
     reply_headers,
-    request_error,
     usage_of,
 )
 from studio.runs.service import RunRejected
@@ -81,13 +79,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, payload: dict[str, Any], raw: Request | None):
         self.check_model(request.model)
         engine_request = chat_to_engine_request(request, self.context.limits)
-        try:
-            resolved = self.runs.resolve(self.engine, engine_request)
-        except RequestError as exc:
-            raise request_error(exc, self.prompt_field) from exc
-        tracker = self.runs.start(
-            self.engine, resolved, self.served_model_name, self.system_fingerprint, payload
-        )
+        resolved, tracker = self.start_run(engine_request, payload)
         image_reply = request.image_reply or self.context.image_reply
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -13,12 +13,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from engine import GenerationRequest, RequestError
+from engine import GenerationRequest
 from engine.modality import OutputModality
 from studio.api.errors import APIError
 from studio.api.inputs import check_generation_limits, check_text, params_from_fields, parse_size
 from studio.api.protocol import ImageGenerationRequest, now
-from studio.api.serving_base import OpenAIServing, reply_headers, request_error
+from studio.api.serving_base import OpenAIServing, reply_headers
 from studio.media.images import png_bytes
 
 
@@ -49,13 +49,7 @@ class OpenAIServingImages(OpenAIServing):
         engine_request = GenerationRequest(
             request.prompt, params_from_fields(fields), image=image, modalities=(OutputModality.IMAGE,)
         )
-        try:
-            resolved = self.runs.resolve(self.engine, engine_request)
-        except RequestError as exc:
-            raise request_error(exc, self.prompt_field) from exc
-        tracker = self.runs.start(
-            self.engine, resolved, self.served_model_name, self.system_fingerprint, payload
-        )
+        resolved, tracker = self.start_run(engine_request, payload)
         result = await self.run_to_completion(resolved, tracker, raw)
         data = []
         for image_out in result.images:
