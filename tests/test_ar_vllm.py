@@ -32,8 +32,9 @@ from engine.pipelines.chat import ChatARStage  # noqa: E402
 from engine.pipelines.chat.ar_vllm import VllmChatARStage  # noqa: E402
 from engine.pipelines.glm_image import GlmImageARStage  # noqa: E402
 from engine.pipelines.glm_image.ar_vllm import VllmGlmImageARStage  # noqa: E402
-from engine.stages.ar_vllm import VllmPrompt, sampling_params, serving_threads  # noqa: E402
 from engine.stages.base import StageJob  # noqa: E402
+from engine.stages.vllm_drivers import serving_threads  # noqa: E402
+from engine.stages.vllm_requests import VllmPrompt, sampling_params  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.vllm
 # Parity between the two AR backends compares them on the same intra-op thread count, one: the
 # transformers stage runs a small model on one thread whatever the machine (engine/stages/base.py,
 # docs/batching.md "One intra-op thread per small-model stage"), and an in-process vLLM engine serves on
-# `OMP_NUM_THREADS` threads, else one (engine.stages.ar_vllm.serving_threads, docs/vllm.md). Reductions
+# `OMP_NUM_THREADS` threads, else one (engine.stages.vllm_drivers.serving_threads, docs/vllm.md). Reductions
 # over another thread count round differently and can flip a near-tie in the random logits, so the
 # module pins OMP_NUM_THREADS=1 (model_cache below) instead of inheriting it from the shell, and each
 # parity test checks both sides' count (same_thread_count). Given equal ids, the DiT stage is the same

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.stages.ar_vllm import VllmARStage, VllmPrompt
+from engine.stages.ar_vllm import VllmARStage
 from engine.stages.base import StageJob
+from engine.stages.vllm_requests import VllmPrompt
 
 
 class VllmChatARStage(VllmARStage):

@@ -13,8 +13,9 @@ from engine.pipelines.glm_image.ar_transformers import (
     GlmImageARStage,
     load_processor,
 )
-from engine.stages.ar_vllm import VllmARStage, VllmPrompt
+from engine.stages.ar_vllm import VllmARStage
 from engine.stages.base import StageJob
+from engine.stages.vllm_requests import VllmPrompt
 
 
 class VllmGlmImageARStage(VllmARStage):
