@@ -110,7 +110,7 @@ def gib(kib: int | None) -> str:
 
 
 def memory_estimate(model: str, deploy: Path, extra: list[str]) -> int | None:
-    """Bytes engine/memory_estimate.py expects on the CPU for this model and deploy YAML (what
+    """Bytes engine/memory_estimate/ expects on the CPU for this model and deploy YAML (what
     ``validate --check-devices`` prints), with the serve flags' ``--devices``."""
     from engine.building import build_pipeline_config
     from engine.memory_estimate import estimate_memory

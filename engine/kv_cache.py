@@ -1,5 +1,5 @@
 """How many bytes an AR model's KV cache takes per token: what sizes a vLLM stage's cache on a CPU
-(engine/stages/ar_vllm.py) and the memory estimate before loading (engine/memory_estimate.py)."""
+(engine/stages/ar_vllm.py) and the memory estimate before loading (engine/memory_estimate/)."""
 
 from __future__ import annotations
 

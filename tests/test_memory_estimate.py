@@ -17,13 +17,13 @@ import yaml
 from safetensors.torch import save_file
 
 from engine.building import build_pipeline_config
+from engine.kv_cache import kv_bytes_per_token
 from engine.memory_estimate import (
     CheckpointError,
     DeviceBudget,
     checkpoint_files,
     component_weights,
     estimate_memory,
-    kv_bytes_per_token,
     read_safetensors_header,
     text_config,
 )
