@@ -27,7 +27,7 @@ from studio.store.files import PNG, OutputFiles
 
 
 class RunTracking(Protocol):
-    """What a run needs from the run store's per-run tracker (``studio.store.recorder.RunTracker``)."""
+    """What a run needs from the run store's per-run tracker (``studio.store.tracker.RunTracker``)."""
 
     run_id: str
 

@@ -1,9 +1,9 @@
 """The run store: every run from the UI, the API and the CLI, searchable, comparable and portable.
 
 ``open_store`` gives a :class:`RunStore` (synchronous, thread-safe); wrap it in a :class:`RunRecorder` to
-record from engine events without blocking an event loop. ``export_bundle``/``import_bundle`` move runs
-between stores as one zip; they, the journal and the recorder are built on top of the store, which
-imports none of them.
+record from engine events without blocking an event loop (its ``start_run`` gives a :class:`RunTracker`
+per run, ``tracker.py``). ``export_bundle``/``import_bundle`` move runs between stores as one zip; they,
+the journal, the recorder and the tracker are built on top of the store, which imports none of them.
 """
 
 from typing import Any
@@ -53,8 +53,12 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The recorder speaks engine events, and importing the engine loads torch (seconds); the store
     # alone (history commands, tools, a process opening the database) does not need it.
-    if name in ("RunRecorder", "RunTracker"):
-        from studio.store import recorder
+    if name == "RunRecorder":
+        from studio.store.recorder import RunRecorder
 
-        return getattr(recorder, name)
+        return RunRecorder
+    if name == "RunTracker":
+        from studio.store.tracker import RunTracker
+
+        return RunTracker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,8 +2,8 @@
 
 :class:`RunRecorder` owns one writer thread and a queue: API handlers on the asyncio event loop, engine
 worker threads and the CLI only enqueue, and every database write and file write happens on the writer
-thread, in the order enqueued. A :class:`RunTracker` per request turns the engine's events
-(:mod:`engine.events`) into store calls:
+thread, in the order enqueued. A :class:`~studio.store.tracker.RunTracker` per request
+(``studio/store/tracker.py``) turns the engine's events (:mod:`engine.events`) into store calls:
 
     tracker = recorder.start_run("api", resolved, engine.config, served_name, fingerprint, body)
     async for event in engine.generate(resolved):
@@ -28,14 +28,13 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from engine.config import PipelineConfig
-from engine.events import EngineEvent, RunFailed, RunFinished, StageFinished, StageStarted
 from engine.request import ResolvedRequest
-from studio.media.images import png_bytes
 from studio.store.journal import Journal, apply_entries, journal_dir
 from studio.store.models import RUN_SOURCES
 from studio.store.payloads import REFUSED_TEXT_KEPT, compact_payload, prompt_of
-from studio.store.records import storable
 from studio.store.store import RunStore
+from studio.store.tracker import RunTracker
+from studio.store.write_tasks import WriteTask, prepare_output_file
 
 log = logging.getLogger(__name__)
 
@@ -46,59 +45,13 @@ MAX_BATCH = 256  # queued writes committed together
 # Test-only: seconds the writer waits before each batch (a slow database), so that a test can stop a
 # server while writes are still queued and check they are not lost.
 WRITE_DELAY_ENV = "OMNI_STUDIO_TEST_WRITE_DELAY_S"
-TEXT_MIME = "text/plain; charset=utf-8"
 
 _STOP = object()
 _open_recorders: weakref.WeakSet[RunRecorder] = weakref.WeakSet()
 
 
-class _Task:
-    """One queued write, as data: a :class:`RunStore` method (``op``) and its JSON-able keyword arguments, so
-    that a write the database refuses can go to the journal (:mod:`studio.store.journal`).
-
-    ``prepare`` (run once, on the writer thread, before the first attempt) finishes the arguments: it
-    encodes and stores an output file, or reads what the run's earlier writes left (output errors).
-    ``extra`` holds arguments that are not journaled (the file's bytes). A task with ``call`` and no
-    ``op`` (:meth:`RunRecorder.submit`) cannot be journaled.
-    """
-
-    __slots__ = ("description", "op", "run_id", "args", "prepare", "extra", "call", "on_error")
-
-    def __init__(
-        self,
-        description: str,
-        op: str | None = None,
-        run_id: str | None = None,
-        args: dict[str, Any] | None = None,
-        prepare: Callable[[_Task], None] | None = None,
-        call: Callable[[], Any] | None = None,
-        on_error: Callable[[Exception], None] | None = None,
-    ) -> None:
-        self.description = description
-        self.op = op
-        self.run_id = run_id
-        self.args = args or {}
-        self.prepare = prepare
-        self.extra: dict[str, Any] = {}
-        self.call = call
-        self.on_error = on_error
-
-
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
-
-
-def _output_file(store: RunStore, content: Any) -> Callable[[_Task], None]:
-    """A task's ``prepare`` for an output: encode it (PNG for an image, on the writer thread) and put the
-    file in the content-addressed tree, which needs no database; the task then records its sha256."""
-
-    def prepare(task: _Task) -> None:
-        data = content if isinstance(content, bytes) else png_bytes(content)
-        sha256, _path = store.write_file(data, task.args["mime"])
-        task.args.update(sha256=sha256, size_bytes=len(data))
-        task.extra["data"] = data
-
-    return prepare
 
 
 class RunRecorder:
@@ -135,7 +88,7 @@ class RunRecorder:
         """Take what is queued, up to a flush marker, and write it as one batch."""
         while True:
             item = self._queue.get()
-            batch: list[_Task] = []
+            batch: list[WriteTask] = []
             while True:
                 if item is _STOP:
                     self._write_batch(batch)
@@ -155,7 +108,7 @@ class RunRecorder:
                     break
             self._write_batch(batch)
 
-    def _write_batch(self, tasks: list[_Task]) -> None:
+    def _write_batch(self, tasks: list[WriteTask]) -> None:
         """One transaction for all of ``tasks``; if anything in it fails, each task again on its own, so
         one bad write costs only itself (and transient errors get their retries)."""
         if tasks and self._write_delay > 0:  # test-only (see WRITE_DELAY_ENV)
@@ -177,7 +130,7 @@ class RunRecorder:
         for task in tasks:
             self._execute(task)
 
-    def _prepare(self, task: _Task) -> bool:
+    def _prepare(self, task: WriteTask) -> bool:
         if task.prepare is None:
             return True
         try:
@@ -188,14 +141,14 @@ class RunRecorder:
         task.prepare = None
         return True
 
-    def _apply(self, task: _Task) -> None:
+    def _apply(self, task: WriteTask) -> None:
         if task.op is None:
             assert task.call is not None
             task.call()
         else:
             getattr(self.store, task.op)(**task.args, **task.extra)
 
-    def _execute(self, task: _Task) -> None:
+    def _execute(self, task: WriteTask) -> None:
         if not self._prepare(task):
             return
         if task.run_id is not None and task.run_id in self._journaled_runs:
@@ -232,7 +185,7 @@ class RunRecorder:
             self._recover()
             return
 
-    def _failed(self, task: _Task, exc: Exception) -> None:
+    def _failed(self, task: WriteTask, exc: Exception) -> None:
         self.errors += 1
         self.last_error = f"{task.description}: {exc.__class__.__name__}: {exc}"
         log.error("run store: %s failed", task.description, exc_info=exc)
@@ -242,7 +195,7 @@ class RunRecorder:
             except Exception:
                 log.exception("run store: error handler of %s failed", task.description)
 
-    def _to_journal(self, task: _Task) -> None:
+    def _to_journal(self, task: WriteTask) -> None:
         assert task.op is not None and task.run_id is not None
         try:
             if self._journal is None:
@@ -282,25 +235,25 @@ class RunRecorder:
 
         After :meth:`close` the write runs at once in the caller: late, but not lost.
         """
-        self._put(_Task(description, call=call, on_error=on_error))
+        self._put(WriteTask(description, call=call, on_error=on_error))
 
-    def _put(self, task: _Task) -> None:
+    def _put(self, task: WriteTask) -> None:
         if self._closed:
             self._execute(task)
             return
         self._queue.put(task)
 
-    def _submit(
+    def submit_write(
         self,
         description: str,
         op: str,
         run_id: str,
         args: dict[str, Any],
-        prepare: Callable[[_Task], None] | None = None,
+        prepare: Callable[[WriteTask], None] | None = None,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
         """Queue one store write as data (journaled if the database refuses it)."""
-        self._put(_Task(description, op, run_id, args, prepare, on_error=on_error))
+        self._put(WriteTask(description, op, run_id, args, prepare, on_error=on_error))
 
     def start_run(
         self,
@@ -335,15 +288,15 @@ class RunRecorder:
             "created_at": created,
             "replay_of": replay_of,
         }
-        self._submit(f"create run {run_id}", "create_run", run_id, values)
+        self.submit_write(f"create run {run_id}", "create_run", run_id, values)
         image = resolved.request.image
         if image is not None:
-            self._submit(
+            self.submit_write(
                 f"store source image of run {run_id}",
                 "add_output_file",
                 run_id,
                 {"run_id": run_id, "index": 0, "mime": "image/png", "kind": "source"},
-                _output_file(self.store, image),
+                prepare_output_file(self.store, image),
             )
         return RunTracker(self, run_id)
 
@@ -385,9 +338,9 @@ class RunRecorder:
             "created_at": created,
             "replay_of": replay_of,
         }
-        self._submit(f"record rejected request {run_id}", "create_run", run_id, values)
+        self.submit_write(f"record rejected request {run_id}", "create_run", run_id, values)
         finish = {"run_id": run_id, "status": status, "error": error, "at": created}
-        self._submit(f"finish rejected request {run_id} as {status}", "finish_run", run_id, finish)
+        self.submit_write(f"finish rejected request {run_id} as {status}", "finish_run", run_id, finish)
         return run_id
 
     def _config_body(self, config: PipelineConfig) -> tuple[dict[str, Any], str]:
@@ -441,133 +394,3 @@ def _close_open_recorders() -> None:
     """Interpreter exit: write what is still queued (the writer is a daemon thread and would just stop)."""
     for recorder in list(_open_recorders):
         recorder.close(timeout=10)
-
-
-class RunTracker:
-    """One run's recording: feed it the request's engine events; thread-safe."""
-
-    def __init__(self, recorder: RunRecorder, run_id: str) -> None:
-        self.recorder = recorder
-        self.run_id = run_id
-        self._lock = threading.Lock()
-        self._running = False
-        self._finished = False
-        self._output_errors: list[str] = []  # written and read on the writer thread only
-
-    @property
-    def store(self) -> RunStore:
-        return self.recorder.store
-
-    def finished(self) -> bool:
-        """Whether the run's outcome has been recorded (queued for writing)."""
-        return self._finished
-
-    def _claim_finish(self) -> bool:
-        with self._lock:
-            if self._finished:
-                return False
-            self._finished = True
-            return True
-
-    def observe(self, event: EngineEvent) -> None:
-        """Record what ``event`` means for the run (events other than stage and terminal ones are ignored)."""
-        run_id = self.run_id
-        if isinstance(event, StageStarted):
-            with self._lock:
-                if self._running or self._finished:
-                    return
-                self._running = True
-            at = time.time()
-            self.recorder._submit(
-                f"mark run {run_id} running", "mark_running", run_id, {"run_id": run_id, "at": at}
-            )
-        elif isinstance(event, StageFinished):
-            self.recorder._submit(
-                f"record stage {event.stage_id} of run {run_id}",
-                "add_stage",
-                run_id,
-                {
-                    "run_id": run_id,
-                    "stage_id": event.stage_id,
-                    "kind": str(event.kind),
-                    "status": str(event.status),
-                    "started_at": event.started_at,
-                    "finished_at": event.finished_at,
-                    "queue_seconds": event.queue_seconds,
-                    "input_tokens": event.input_tokens,
-                    "output_tokens": event.output_tokens,
-                    "batch_size": event.batch_size,
-                    "variant_index": event.index,
-                },
-            )
-        elif isinstance(event, RunFinished):
-            if self._claim_finish():
-                self._record_finished(event, time.time())
-        elif isinstance(event, RunFailed):
-            self.fail(event.message, cancelled=event.cancelled)
-
-    def fail(self, message: str, cancelled: bool = False) -> bool:
-        """Record a failure the engine did not report (e.g. the client went away: ``cancelled=True``).
-
-        False when the run already had an outcome.
-        """
-        if not self._claim_finish():
-            return False
-        status, at, run_id = ("cancelled" if cancelled else "failed"), time.time(), self.run_id
-        self.recorder._submit(
-            f"finish run {run_id} as {status}",
-            "finish_run",
-            run_id,
-            {"run_id": run_id, "status": status, "error": message, "at": at},
-        )
-        return True
-
-    def _record_finished(self, event: RunFinished, at: float) -> None:
-        run_id = self.run_id
-        texts: list[str] = []
-        image_index = 0
-        for output in event.outputs:
-            if output.text is not None:
-                # The file holds what the run's text column holds: unstorable characters escaped.
-                self._submit_output(len(texts), storable(output.text).encode(), TEXT_MIME, None, None)
-                texts.append(output.text)
-            for image in output.images:
-                # png_bytes runs on the writer thread; the API's response shares the cached encoding.
-                self._submit_output(image_index, image, "image/png", image.width, image.height)
-                image_index += 1
-        usage = {
-            "input_tokens": sum(o.input_tokens for o in event.outputs),
-            "output_tokens": sum(o.output_tokens for o in event.outputs),
-        }
-        text = "\n\n".join(texts) if texts else None
-
-        def note_output_errors(task: _Task) -> None:
-            # The request succeeded for its caller even if a file could not be kept; say so in the error.
-            task.args["error"] = "; ".join(self._output_errors) or None
-
-        self.recorder._submit(
-            f"finish run {run_id} as succeeded",
-            "finish_run",
-            run_id,
-            {"run_id": run_id, "status": "succeeded", "text": text, "usage": usage, "at": at},
-            note_output_errors,
-        )
-
-    def _submit_output(
-        self, index: int, content: Any, mime: str, width: int | None, height: int | None
-    ) -> None:
-        run_id = self.run_id
-
-        kind = mime.split(";")[0]
-
-        def failed(exc: Exception) -> None:
-            self._output_errors.append(f"output {kind} #{index} not saved: {exc.__class__.__name__}: {exc}")
-
-        self.recorder._submit(
-            f"store output {index} ({kind}) of run {run_id}",
-            "add_output_file",
-            run_id,
-            {"run_id": run_id, "index": index, "mime": mime, "width": width, "height": height},
-            _output_file(self.store, content),
-            failed,
-        )
