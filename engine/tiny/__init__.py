@@ -84,6 +84,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "diffusion",
         ),
         BuiltinModel(
+            "tiny-qwen-omni",
+            "qwen-omni",
+            "Qwen2.5-Omni architecture, thinker -> talker -> code2wav, speaks (random weights)",
+            "qwen_omni",
+        ),
+        BuiltinModel(
             "tiny-glm-shapes",
             "glm-image",
             "GLM-Image architecture trained on a world of coloured shapes (draws what you ask)",
