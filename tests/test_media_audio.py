@@ -222,7 +222,7 @@ print(json.dumps({f: hashlib.sha256(encode_audio(samples, 24000, f, recipe)).hex
 def test_same_input_same_bytes_in_every_format_and_process():
     here = {f: encode_audio(tone(0.5), RATE, f, sample_recipe()) for f in AUDIO_FORMATS}
     again = {f: encode_audio(tone(0.5), RATE, f, sample_recipe()) for f in AUDIO_FORMATS}
-    assert here == again  # libsndfile draws an OGG stream's serial from the clock; ours is fixed
+    assert here == again  # libsndfile draws a random OGG serial; ours is fixed
     other = subprocess.run(
         [sys.executable, "-c", _HASHES, json.dumps(sample_recipe())],
         cwd=REPO_ROOT,

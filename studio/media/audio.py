@@ -5,8 +5,8 @@ Samples are float32 mono in -1..1 (code2wav's 24 kHz waveform). Every container 
 libsndfile (through ``soundfile``): WAV and FLAC (16-bit PCM), MP3 (LAME) and Opus in OGG; rates change
 only where a format needs another one, through ``soxr``. ``pcm`` is raw little-endian int16, no header.
 
-WAV and FLAC outputs carry the run's recipe as PNGs do (docs/recipes.md): the same canonical JSON, in the
-file's ``comment`` string (WAV: ``LIST``/``INFO`` ``ICMT``; FLAC: the Vorbis comment ``COMMENT``), with
+WAV and FLAC outputs carry the run's recipe as PNGs do (docs/recipes.md): its canonical JSON under the key
+``omni_studio`` (the PNG chunk's name), in the file's ``comment`` string (WAV: ``LIST``/``INFO`` ``ICMT``; FLAC: the Vorbis comment ``COMMENT``), with
 the prompt as its ``title`` for players. No run id and no clock: the same samples and recipe give the
 same bytes in every format (an OGG stream's serial number is derived from the audio, not drawn at random).
 
@@ -39,8 +39,8 @@ PCM_RATE = 24000  # OpenAI's `pcm`: 24 kHz s16le mono, no header
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # what libopus (and so libsndfile) encodes
 MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # MPEG-1, 2 and 2.5 Layer III
 TITLE_CHARS = 100  # the prompt's first line, cut here, is the file's title
-# libsndfile grows a WAV header to at most 100 KiB and silently drops a string that would need more (measured:
-# a lone comment of 51,195 bytes is written, 51,196 is not), so a WAV recipe stays under this many bytes of
+# libsndfile caps the buffer it builds a WAV header in and silently drops a string that would need more
+# (measured with 1.2.2: a lone comment of 51,195 bytes is written, 51,196 is not), so a WAV recipe stays under this many bytes of
 # UTF-8; encode_audio refuses a larger one rather than write a file without it. FLAC keeps its Vorbis
 # comments in a metadata block of up to 16 MiB; libsndfile writes and reads back 8 MiB (tested).
 RECIPE_MAX_BYTES = {"wav": 48 * 1024, "flac": 8 * 1024 * 1024}
@@ -168,7 +168,8 @@ def encode_audio(
                 sound.title = title
             sound.comment = comment
         # WAV and FLAC are 16-bit: hand libsndfile the int16 samples so the file holds exactly what
-        # `pcm` holds (its own float conversion does not clip). The lossy encoders take floats.
+        # `pcm` holds (its own float conversion clips what is below -1 to -32768, not -32767). The
+        # lossy encoders take the clipped floats.
         sound.write(pcm16(mono) if subtype == "PCM_16" else np.clip(mono, -1.0, 1.0))
     data = buffer.getvalue()
     if container == "OGG":
@@ -233,8 +234,8 @@ def _ogg_crc(page: bytes) -> int:
 def _fixed_ogg_serial(data: bytes, serial: int) -> bytes:
     """``data`` (one OGG logical stream) with every page's serial number set to ``serial``.
 
-    libsndfile draws a stream's serial number from the clock, so two encodes of the same audio would differ
-    in those 4 bytes and each page's CRC. RFC 3533 asks only that streams sharing one physical stream have
+    libsndfile gives each stream a random serial number, so two encodes of the same audio differ in those
+    4 bytes and in each page's CRC (measured: nothing else differs). RFC 3533 asks only that streams sharing one physical stream have
     different serials; a file here holds one stream, and a serial derived from the audio keeps the bytes a
     function of the input (and differs between different files, should anyone chain them).
     """
@@ -317,10 +318,10 @@ def streaming_wav_header(sample_rate: int) -> bytes:
     audio`` with ``wav``); :func:`pcm16_chunk` pieces follow it.
 
     The ``RIFF`` and ``data`` sizes are 0xFFFFFFFF, the largest a 32-bit field holds, because they cannot
-    be filled in after the bytes have left. Players and decoders (libsndfile, ffmpeg, browsers' audio
-    elements) read such a header as "data runs to the end of the stream": they play what arrives and stop
-    at the end of the connection (libsndfile notes the mismatch and takes the data's real length). A file
-    saved from the stream plays the same way; tools that trust the sizes (a few editors) ask to repair it.
+    be filled in after the bytes have left; it is the usual marker of a WAV of unknown length. Players and
+    decoders read it as "data runs to the end of the stream": they play what arrives and stop at the end
+    of the connection (libsndfile notes the mismatch and takes the data's real length; tested). A file
+    saved from the stream plays the same way; a tool that trusts the sizes may call it damaged.
     """
     sample_rate = _checked_rate(sample_rate)
     channels, bits = 1, 16
