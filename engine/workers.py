@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -64,13 +65,16 @@ class Ticket:
 class RequestHandle:
     """A submitted request: cancel it, or wait for its terminal event."""
 
-    def __init__(self, resolved: ResolvedRequest, sink: EventSink) -> None:
+    def __init__(
+        self, resolved: ResolvedRequest, sink: EventSink, stages: frozenset[int] = frozenset()
+    ) -> None:
         self.resolved = resolved
         self.sink = sink
         self.cancel_event = threading.Event()
         self.variants = [Variant(i, resolved.seed + i) for i in range(resolved.n)]
         self.terminal: EngineEvent | None = None
         self.submitted_at = time.time()
+        self.stages = stages  # the stage ids it runs (PipelineConfig.stages_for its modalities)
 
     @property
     def request_id(self) -> str:
@@ -171,6 +175,11 @@ class StageWorker:
                     return None
                 order = self.fair_order()
                 first = order[0]
+                # A client with one job here never shares a batch with clients holding several: its job
+                # runs in a batch of other such jobs, so a busy client's batch cannot set its pace
+                # (docs/batching.md, "Fair admission").
+                queued = Counter(ticket.client for ticket in self.queue)
+                single = queued[first.client] == 1
                 self._take(first)
                 try:
                     key = self.runner.batch_key(first.job)
@@ -192,7 +201,7 @@ class StageWorker:
                     self.queue.remove(ticket)
                     failed.append((ticket, exc))
                     continue
-                if same:
+                if same and (queued[ticket.client] == 1) == single:
                     self._take(ticket)
                     batch.append(ticket)
             self.running += 1

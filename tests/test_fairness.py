@@ -141,17 +141,18 @@ def test_waiting_requests_are_served_round_robin_across_clients(tmp_path):
 
 
 def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(tmp_path):
-    """Fair admission (docs/batching.md): one client holds both AR slots with long decodes and queues
-    more; another client's short request joins the running steps at once (one of the busy rows paused),
-    so it starts and finishes its decode while both busy rows are still decoding, in steps of at most
-    max_num_seqs rows. Without it, the newcomer would wait for a slot: a busy decode has ~16x its tokens.
-    The paused row loses nothing: its picture equals the one it draws alone."""
+    """Fair admission (docs/batching.md): one client holds all three AR slots with long decodes and queues
+    more; another client's short request joins the running steps at once, so it starts and finishes its
+    decode while the busy rows are still decoding. Clients share a step in equal parts: the newcomer
+    steps beside one busy row (2 rows, not max_num_seqs' 3), the other busy rows paused meanwhile.
+    Without it, the newcomer would wait for a slot (a busy decode has ~16x its tokens), then decode in
+    full steps. The paused rows lose nothing: their pictures equal the ones they draw alone."""
     import threading
 
     from engine import GenerationParams, GenerationRequest, build_engine
     from engine.events import RunFinished, StageFinished, StageStarted
 
-    deploy = tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 2})
+    deploy = tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 3})
     engine = build_engine("tiny-glm-image", deploy, data_dir=tmp_path)
     log: list[tuple[str, str, int]] = []  # (event, request name, step rows)
     images: dict[str, bytes] = {}
@@ -181,10 +182,10 @@ def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(
             return [name for event, name, _ in log if event == kind]
 
     try:
-        run("busy-1", "busy", 256)
-        run("busy-2", "busy", 256)
-        wait_for(lambda: len(names("started")) == 2, 60)
-        run("busy-3", "busy", 64)  # queued: both slots are taken by the busy client
+        for name in ("busy-1", "busy-2", "busy-3"):
+            run(name, "busy", 256)
+        wait_for(lambda: len(names("started")) == 3, 60)
+        run("busy-4", "busy", 64)  # queued: every slot is taken by the busy client
         wait_for(lambda: engine.waiting_depths()[0] == 1, 30)
         run("quiet", "quiet", 64)
         wait_for(lambda: "quiet" in images, 120)
@@ -194,10 +195,58 @@ def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(
         finished_quiet = next(i for i, e in enumerate(events) if e[:2] == ("finished", "quiet"))
         busy_finished = [i for i, e in enumerate(events) if e[0] == "finished" and e[1].startswith("busy")]
         assert not busy_finished or min(busy_finished) > finished_quiet, events  # decoded beside both
-        assert events[finished_quiet][2] == 2, events  # in steps of max_num_seqs rows (one busy paused)
-        assert "busy-3" not in names("started")[: started_quiet + 1], events  # ahead of the queued one
-        wait_for(lambda: len(images) == 4, 300)
-        paused = engine.run(request("busy-2", "alone", 256))
-        assert paused.images[0].tobytes() == images["busy-2"]
+        assert events[finished_quiet][2] == 2, events  # equal shares: one busy row beside it, two paused
+        assert "busy-4" not in names("started")[: started_quiet + 1], events  # ahead of the queued one
+        wait_for(lambda: len(images) == 5, 300)
+        for name in ("busy-2", "busy-3"):  # the newest busy rows: paused while the newcomer decoded
+            alone = engine.run(request(name, "alone", 256))
+            assert alone.images[0].tobytes() == images[name], name
+    finally:
+        engine.close()
+
+
+def test_a_quiet_clients_job_runs_in_a_denoise_batch_of_its_own(tmp_path):
+    """A client with one job at the DiT stage never shares a batch with a client holding several
+    (engine/workers.py, docs/batching.md): while a long denoise holds the stage, a busy client queues
+    three jobs and a quiet one queues one; the busy three run as one batch, the quiet job in a batch of
+    its own (FIFO batching would put all four together, the quiet one paced by the busy batch)."""
+    import threading
+
+    from engine import GenerationParams, GenerationRequest, build_engine
+    from engine.events import RunFinished, StageFinished, StageStarted
+
+    deploy = tiny_deploy("tiny-glm-image", stage1={"max_num_seqs": 4})
+    engine = build_engine("tiny-glm-image", deploy, data_dir=tmp_path)
+    batch_sizes: dict[str, int] = {}
+    started: list[str] = []
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def run(name: str, client: str, steps: int) -> None:
+        params = GenerationParams(seed=len(name), height=64, width=64, num_inference_steps=steps)
+        resolved = engine.resolve(GenerationRequest(f"a lighthouse, {name}", params, client=client))
+
+        def sink(event) -> None:
+            with lock:
+                if isinstance(event, StageStarted) and event.stage_id == 1:
+                    started.append(name)
+                if isinstance(event, StageFinished) and event.stage_id == 1:
+                    batch_sizes[name] = event.batch_size
+                if isinstance(event, RunFinished):
+                    finished.append(name)
+
+        engine.submit(resolved, sink)
+
+    try:
+        run("blocker", "blocker", 400)  # a long denoise: the others queue at stage 1 behind it
+        wait_for(lambda: "blocker" in started, 60)
+        for i in range(3):
+            run(f"busy-{i}", "busy", 2)
+        run("quiet", "quiet", 2)
+        wait_for(lambda: engine.waiting_depths()[1] == 4 or "blocker" in finished, 60)
+        assert engine.waiting_depths()[1] == 4, "the blocker ended before the others queued behind it"
+        wait_for(lambda: len(finished) == 5, 300)
+        assert batch_sizes["quiet"] == 1, batch_sizes
+        assert [batch_sizes[f"busy-{i}"] for i in range(3)] == [3, 3, 3], batch_sizes
     finally:
         engine.close()
