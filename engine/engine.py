@@ -22,11 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.building import (
-    build_pipeline_config,
-    device_problems,
-    resolve_device,
-)
+from engine.building import build_pipeline_config, device_problems, resolve_device
 from engine.config import (
     ConfigProblem,
     DeployConfig,
@@ -48,13 +44,7 @@ from engine.events import (
     StageStatus,
 )
 from engine.modality import OutputAccumulator, OutputModality, parse_output_modalities
-from engine.models import (
-    ModelCard,
-    ModelSource,
-    describe_model,
-    materialize,
-    model_card,
-)
+from engine.models import ModelCard, ModelSource, describe_model, materialize, model_card
 from engine.paths import default_data_dir, model_cache_dir
 from engine.processors import INPUT_PROCESSORS
 from engine.request import GenerationRequest, RequestError, ResolvedRequest
@@ -160,6 +150,7 @@ class OmniEngine:
         Parameters outside what the model's card supports do not fail: they become ``warnings``.
         """
         resolved = self.family.resolve_request(request, self.config)
+        self.family.check_voice(resolved, self.model.path, self.config.model_name)
         warnings = self.card.check(self.config.model_name, resolved.parameters)
         return replace(resolved, warnings=warnings) if warnings else resolved
 
@@ -235,10 +226,10 @@ class OmniEngine:
                 raise EngineClosed("the engine has been shut down")
             if len(self._handles) >= self.max_pending:
                 raise EngineBusy(f"{len(self._handles)} requests in flight (limit {self.max_pending})")
-            handle = RequestHandle(resolved, sink)
+            handle = RequestHandle(resolved, sink, self.config.stages_for(resolved.modalities))
             self._handles[handle.request_id] = handle
             for variant in handle.variants:
-                for stage in self.config.entry_stages:
+                for stage in [s for s in self.config.entry_stages if s.stage_id in handle.stages]:
                     self._enqueue(handle, variant, stage)
         return handle
 
@@ -412,7 +403,7 @@ class OmniEngine:
                 return
             variant.outputs[stage.stage_id] = job.deliver_outputs()
             try:
-                for downstream in self.config.stages:
+                for downstream in [s for s in self.config.stages if s.stage_id in handle.stages]:
                     if stage.stage_id in downstream.input_sources and all(
                         src in variant.outputs for src in downstream.input_sources
                     ):
@@ -422,7 +413,7 @@ class OmniEngine:
                 message = f"stage {stage.stage_id} -> next stage hand-off failed: {type(exc).__name__}: {exc}"
                 self._finish(handle, RunFailed(handle.request_id, variant.index, message, stage.stage_id))
                 return
-            if all(s.stage_id in variant.outputs for s in self.config.stages):
+            if all(sid in variant.outputs for sid in handle.stages):
                 variant.done = True
             if all(v.done for v in handle.variants):
                 outputs = tuple(self._run_output(handle, v) for v in handle.variants)
@@ -447,6 +438,10 @@ class OmniEngine:
             text=text,
             images=images,
             token_ids=token_ids,
+            audio=merged["audio"].reshape(-1).numpy()
+            if OutputModality.AUDIO in wanted and "audio" in merged
+            else None,
+            sample_rate=int(merged.get("sample_rate") or 0),
             finish_reason=finish_reason,
             input_tokens=sum(j.input_tokens for j in jobs),
             output_tokens=sum(j.output_tokens for j in jobs),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 # StrEnums: each member equals its string, so comparisons with plain strings and the values stored in
@@ -80,6 +81,17 @@ class DiffusionStep(EngineEvent):
 
 
 @dataclass(frozen=True)
+class AudioDelta(EngineEvent):
+    """New audio from a stage that speaks: the samples made since the last delta (float32 mono in
+    [-1, 1] at ``sample_rate``). A whole-utterance render sends one; a streamed render one per chunk.
+    Concatenated in order they are the output's ``audio`` (docs/speech.md)."""
+
+    stage_id: int = 0
+    samples: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32), compare=False)
+    sample_rate: int = 0
+
+
+@dataclass(frozen=True)
 class StageFinished(EngineEvent):
     stage_id: int = 0
     kind: StageKind = StageKind.AR
@@ -108,6 +120,10 @@ class RunOutput:
     text: str | None = None
     images: tuple[Image.Image, ...] = ()
     token_ids: tuple[int, ...] | None = None
+    # Speech (the qwen-omni family): float32 mono samples in [-1, 1] at ``sample_rate`` Hz; None when
+    # audio was not asked for. Encoding is the studio's (studio/media/).
+    audio: np.ndarray | None = field(default=None, compare=False)
+    sample_rate: int = 0
     finish_reason: FinishReason = FinishReason.STOP
     input_tokens: int = 0
     output_tokens: int = 0
@@ -140,5 +156,5 @@ class RunFailed(EngineEvent):
 
 
 PROGRESS_EVENTS = (TokenProgress, DiffusionStep)
-STREAMING_EVENTS = (TokenProgress, DiffusionStep, TextDelta)  # what only a live view needs
+STREAMING_EVENTS = (TokenProgress, DiffusionStep, TextDelta, AudioDelta)  # what only a live view needs
 TERMINAL_EVENTS = (RunFinished, RunFailed)

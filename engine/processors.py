@@ -5,6 +5,9 @@
 for image-to-image only the target grid. Source-image ids (I2I) travel as ``prior_image`` with their
 grids. The DiT works at 1/16 of the image size while the AR grid is 1/32, so ids are upsampled 2x
 (nearest) on the way.
+
+``thinker2talker`` and ``talker2code2wav`` are Qwen2.5-Omni's (the ``qwen-omni`` family): the thinker's
+hidden states become the talker's prompt, the talker's codec ids become code2wav's input.
 """
 
 from __future__ import annotations
@@ -119,6 +122,83 @@ def ar2diffusion(ar_outputs: Mapping[str, Any], params: Mapping[str, Any]) -> di
     return inputs
 
 
+# -- Qwen2.5-Omni: thinker -> talker -> code2wav (docs/speech.md, "Stages and hand-offs") ---------------
+
+
+def thinker2talker(thinker_outputs: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The thinker's ``latent`` output -> the talker's prompt and the reply it reads one row per code.
+
+    ``latent`` holds one row per position the thinker computed: its last hidden state plus its input
+    embedding (zero at audio and image positions), the prompt's ``P`` rows first, then one per reply
+    token it fed back (all but the last). ``speech_text_embeds`` are the thinker's embeddings of the
+    voice's text-start id, the text-end id and the text-pad id; ``speech_bos_id`` is that start id.
+
+    The talker's prompt is the prompt's rows, the voice's start row and the first reply row (``P + 2``
+    rows, with ``input_text_ids`` for its positions); the rest of the reply, then text-end and text-pad,
+    is what it adds to each code it reads back. The end row sits right after the thinker's last real
+    token and pads follow (a reply cut by a stop id within it), as transformers' one-shot ``generate``
+    does. A reply of a single token has nothing to speak: ``silent`` (no codes, no samples).
+    """
+    for key in ("latent", "prompt_token_ids", "reply_token_ids", "speech_text_embeds", "speech_bos_id"):
+        if key not in thinker_outputs:
+            raise ValueError(
+                f"thinker2talker needs {key!r} from the thinker; got keys {sorted(thinker_outputs)}"
+            )
+    rows = torch.as_tensor(thinker_outputs["latent"])
+    prompt_ids = torch.as_tensor(thinker_outputs["prompt_token_ids"]).reshape(-1)
+    reply_ids = torch.as_tensor(thinker_outputs["reply_token_ids"]).reshape(-1)
+    bos_embed, eos_embed, pad_embed = torch.as_tensor(thinker_outputs["speech_text_embeds"]).unbind(0)
+    prompt_len, replied = int(prompt_ids.numel()), int(reply_ids.numel())
+    if replied < 2:  # a reply of one token (its stop id, or a budget of 1) leaves nothing to speak
+        return {"silent": True}
+    if rows.shape[0] != prompt_len + replied - 1:
+        raise ValueError(
+            f"thinker latent has {rows.shape[0]} rows; expected {prompt_len} prompt + {replied - 1} reply rows"
+        )
+    reply = rows[prompt_len:]
+    prompt_embeds = torch.cat([rows[:prompt_len], bos_embed[None], reply[:1]])
+    reply = torch.cat([reply[1:], eos_embed[None], pad_embed[None]])
+    # Where the thinker stopped: its first stop id (kept within 1..replied-1, as the library does); the
+    # end row goes just before that position and pads from it on.
+    stops = torch.as_tensor(list(thinker_outputs.get("stop_token_ids") or []), dtype=torch.long)
+    is_stop = (
+        (reply_ids[:, None] == stops[None, :]).any(dim=-1)
+        if stops.numel()
+        else torch.zeros(replied, dtype=torch.bool)
+    )
+    first = int(torch.nonzero(is_stop)[0, 0]) if bool(is_stop.any()) else replied
+    first = min(max(first, 1), replied - 1)
+    positions = torch.arange(reply.shape[0])[:, None]
+    reply = torch.where(positions >= first, pad_embed, reply)
+    reply = torch.where(positions == first - 1, eos_embed, reply)
+    text_ids = torch.cat([prompt_ids, torch.tensor([int(thinker_outputs["speech_bos_id"])]), reply_ids[:1]])
+    inputs: dict[str, Any] = {
+        "prompt_embeds": prompt_embeds.unsqueeze(0),
+        "input_text_ids": text_ids.unsqueeze(0),
+        "thinker_reply_part": reply.unsqueeze(0),
+    }
+    if "rng_state" in thinker_outputs:  # the seeded stream goes on where the thinker left it
+        inputs["rng_state"] = thinker_outputs["rng_state"]
+    return inputs
+
+
+def talker2code2wav(talker_outputs: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The talker's codec ids, cut at its first stop id (end or pad), for code2wav."""
+    if "token_ids" not in talker_outputs:
+        raise ValueError(
+            f"talker2code2wav needs 'token_ids' from the talker; got keys {sorted(talker_outputs)}"
+        )
+    codes = torch.as_tensor(talker_outputs["token_ids"]).reshape(-1).to(torch.long)
+    stops = set(int(i) for i in talker_outputs.get("stop_token_ids") or ())
+    length = next((i for i, code in enumerate(codes.tolist()) if code in stops), codes.numel())
+    inputs: dict[str, Any] = {"codes": codes[:length].unsqueeze(0)}
+    if "rng_state" in talker_outputs:
+        inputs["rng_state"] = talker_outputs["rng_state"]
+    return inputs
+
+
 INPUT_PROCESSORS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]] = {
     "ar2diffusion": ar2diffusion,
+    "thinker2talker": thinker2talker,
+    "talker2code2wav": talker2code2wav,
 }

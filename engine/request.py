@@ -45,6 +45,7 @@ class GenerationParams:
     top_k: int | None = None
     n: int = 1
     preview_every: int = 0  # decode a preview every k denoising steps (0: none)
+    voice: str | None = None  # speech: the speaker (families with audio output; None: the model's default)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

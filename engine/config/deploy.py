@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 StageKind = Literal["ar", "diffusion"]
 ARBackend = Literal["auto", "vllm", "transformers"]
-InputProcessorName = Literal["ar2diffusion"]
+InputProcessorName = Literal["ar2diffusion", "thinker2talker", "talker2code2wav"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 # vLLM's executors for a stage's workers (``distributed_executor_backend``): Ray spans nodes, ``mp`` is one
 # machine's processes, ``uni`` one process (docs/vllm.md).

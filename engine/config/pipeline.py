@@ -38,6 +38,12 @@ PRODUCIBLE_BY_KIND: dict[str, tuple[OutputModality, ...]] = {
     "ar": (OutputModality.TOKEN_IDS, OutputModality.TEXT),
     "diffusion": (OutputModality.IMAGE, OutputModality.LATENT),
 }
+# The stage kind each hand-off feeds (Qwen2.5-Omni's talker is an AR stage fed by the thinker).
+PROCESSOR_FEEDS: dict[str, str] = {
+    "ar2diffusion": "diffusion",
+    "thinker2talker": "ar",
+    "talker2code2wav": "diffusion",
+}
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,22 @@ class PipelineConfig:
     def final_stages(self) -> tuple[ResolvedStage, ...]:
         return tuple(s for s in self.stages if s.final_output)
 
+    def stages_for(self, modalities: tuple[OutputModality, ...]) -> frozenset[int]:
+        """The stages a request for ``modalities`` runs: the final stages that produce one of them and
+        every stage those read from (``text`` from Qwen2.5-Omni runs its thinker alone); all stages when
+        no final stage produces any of them."""
+        wanted = set(modalities)
+        needed = {s.stage_id for s in self.final_stages if wanted & set(s.final_modalities)}
+        if not needed:
+            return frozenset(s.stage_id for s in self.stages)
+        frontier = list(needed)
+        while frontier:
+            for source in self.stage(frontier.pop()).input_sources:
+                if source not in needed:
+                    needed.add(source)
+                    frontier.append(source)
+        return frozenset(needed)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "family": self.family,
@@ -274,6 +296,16 @@ def a_stage(kind: str) -> str:
     return {"ar": "an AR stage", "diffusion": "a diffusion stage"}.get(kind, f"a {kind} stage")
 
 
+def _template_modalities(template: StageTemplate | None, kind: str) -> tuple[OutputModality, ...]:
+    """What a family's built-in stage declares beyond its kind's usual outputs (Qwen2.5-Omni's thinker
+    is an AR stage that also emits ``latent``, its code2wav a diffusion stage that emits ``audio``)."""
+    if template is None or template.kind != kind:
+        return ()
+    declared = [template.engine_output_type, template.final_output_type]
+    extra = [m for value in declared if value for m in parse_output_modalities(value)]
+    return tuple(dict.fromkeys(m for m in extra if m not in PRODUCIBLE_BY_KIND[kind]))
+
+
 def _merge_stage(
     template: StageTemplate | None, stage: StageConfig | None, problems: list[ConfigProblem]
 ) -> ResolvedStage | None:
@@ -332,7 +364,7 @@ def _merge_stage(
         except ModalityError as exc:
             problems.append(ConfigProblem(sid, key, str(exc)))
             continue
-        producible = PRODUCIBLE_BY_KIND[kind]
+        producible = PRODUCIBLE_BY_KIND[kind] + _template_modalities(template, kind)
         unsupported = [m for m in modalities if m not in producible]
         if unsupported:
             problems.append(
@@ -349,9 +381,13 @@ def _merge_stage(
                 sid, "backend", f"backend applies to AR stages only; {a_stage(kind)} always runs on diffusers"
             )
         )
-    if input_processor is not None and kind != "diffusion":
+    if input_processor is not None and kind != PROCESSOR_FEEDS.get(input_processor, kind):
         problems.append(
-            ConfigProblem(sid, "input_processor", "ar2diffusion feeds a diffusion stage; remove it here")
+            ConfigProblem(
+                sid,
+                "input_processor",
+                f"{input_processor} feeds {a_stage(PROCESSOR_FEEDS[input_processor])}; remove it here",
+            )
         )
     problems += _parallelism_problems(sid, kind, backend, engine_args)
 

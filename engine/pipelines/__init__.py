@@ -1,4 +1,5 @@
-"""Built-in model families and their topologies: GLM-Image (AR -> DiT), AR-only chat, diffusion-only."""
+"""Built-in model families and their topologies: GLM-Image (AR -> DiT), Qwen2.5-Omni (AR -> AR -> audio),
+AR-only chat, diffusion-only."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from engine.pipelines.base import PipelineFamily
 from engine.pipelines.chat import ChatFamily
 from engine.pipelines.diffusion import DiffusionFamily
 from engine.pipelines.glm_image import GlmImageFamily
+from engine.pipelines.qwen_omni import QwenOmniFamily
 
-FAMILIES: dict[str, PipelineFamily] = {f.name: f for f in (GlmImageFamily(), ChatFamily(), DiffusionFamily())}
+FAMILIES: dict[str, PipelineFamily] = {
+    f.name: f for f in (GlmImageFamily(), QwenOmniFamily(), ChatFamily(), DiffusionFamily())
+}
 
 
 class UnknownModelFamily(ValueError):
@@ -30,7 +34,8 @@ def detect_family(path: Path) -> PipelineFamily:
             return family
     raise UnknownModelFamily(
         f"{path} is not a model folder omni-studio can serve: expected a GlmImagePipeline or other diffusers "
-        "pipeline (model_index.json) or a causal LM with a tokenizer (config.json + tokenizer_config.json)"
+        "pipeline (model_index.json), a Qwen2.5-Omni checkpoint (config.json + spk_dict.pt) or a causal LM "
+        "with a tokenizer (config.json + tokenizer_config.json)"
     )
 
 

@@ -66,6 +66,12 @@ class PipelineFamily(ABC):
             request = replace(request, image=self.prepare_source_image(request.image))
         if request.params.n < 1 or request.params.n > 8:
             raise RequestError("n", f"must be between 1 and 8, got {request.params.n}")
+        if request.params.voice is not None and OutputModality.AUDIO not in produced:
+            raise RequestError(
+                "voice",
+                f"{config.model_name} produces {format_output_modalities(produced)}, no audio, so it has no "
+                "voices; drop voice or choose a model that speaks",
+            )
 
         seed = request.params.seed
         if seed is None:
@@ -113,6 +119,17 @@ class PipelineFamily(ABC):
                     f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply; it takes "
                     f"{', '.join([*takes, 'seed', 'n'])}",
                 )
+
+    def voices(self, model_path: Path | None) -> tuple[str, ...]:
+        """The voices the model at ``model_path`` speaks in, the default first (empty: it makes no audio)."""
+        return ()
+
+    def check_voice(self, resolved: ResolvedRequest, model_path: Path | None, model_name: str) -> None:
+        """Refuse a voice the model in ``model_path`` does not have (see :meth:`voices`)."""
+        voice = resolved.request.params.voice
+        voices = self.voices(model_path) if voice is not None else ()
+        if voice is not None and voices and voice not in voices:
+            raise RequestError("voice", f"{model_name} has no voice {voice!r}; allowed: {', '.join(voices)}")
 
     def prepare_source_image(self, image: Image.Image) -> Image.Image:
         """The source image as every stage will see it."""

@@ -1,0 +1,89 @@
+"""The thinker's and talker's shared AR loop: ``generate`` one request at a time on one seeded stream.
+
+transformers' one-shot ``Qwen2_5OmniForConditionalGeneration.generate`` draws the thinker's samples,
+the talker's and code2wav's starting noise from one RNG stream, seeded once. The split stages keep that
+stream: the thinker seeds it with the request's seed, each stage hands its RNG state to the next with
+its outputs (``rng_state``), and the next stage continues from it. So the split pipeline makes the
+one-shot's samples, whatever ran between the stages (docs/speech.md, "Stages and hand-offs").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import StoppingCriteriaList
+
+from engine.events import FinishReason
+from engine.pipelines.qwen_omni.checkpoint import rng_state, set_rng_state
+from engine.stages.ar_transformers import (
+    GLOBAL_RNG_LOCK,
+    ARInputs,
+    TransformersARStage,
+    _StreamHook,
+    sampling_kwargs,
+)
+from engine.stages.base import StageCancelled, StageJob, intra_op_threads_for
+
+
+class OmniARStage(TransformersARStage):
+    """An AR stage of Qwen2.5-Omni: ``generate`` per request, on the stream the previous stage left.
+
+    Jobs run one at a time (the talker's rope offsets live on the model between calls), so a request's
+    tokens never depend on what else is queued; ``max_num_seqs`` bounds how many a batch takes.
+    """
+
+    def prepare_job(self, job: StageJob) -> ARInputs | None:
+        """The job's generate inputs, or None when it has nothing to generate (a silent reply)."""
+        return self.prepare(job)
+
+    def outputs(
+        self, job: StageJob, generated: torch.Tensor, prepared: ARInputs, result: Any
+    ) -> dict[str, Any]:
+        """What the stage hands on besides its streamed deltas (``result``: what generate returned)."""
+        return dict(prepared.extra_outputs)
+
+    def empty_outputs(self, job: StageJob) -> dict[str, Any]:
+        """The outputs of a job with nothing to generate."""
+        return {}
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        return None if self.model is None else intra_op_threads_for([self.model], self.device)
+
+    def _run_one(self, job: StageJob, prepared: ARInputs | None = None) -> None:
+        if job.cancelled:
+            raise StageCancelled()
+        prepared = prepared or self.prepare_job(job)
+        state = job.inputs.get("rng_state")
+        if prepared is None:
+            job.add_output({**self.empty_outputs(job), **({"rng_state": state} if state is not None else {})})
+            return
+        job.scratch["max_new_tokens"] = prepared.max_new_tokens
+        job.input_tokens = prepared.prompt_length
+        hook = _StreamHook(self, job, prepared.prompt_length, prepared.max_new_tokens)
+        kwargs = {
+            **prepared.model_inputs,
+            **sampling_kwargs(job.params),
+            **self._generation_limits(job, prepared),
+            **prepared.generate_kwargs,
+            "stopping_criteria": StoppingCriteriaList([hook]),
+        }
+        with GLOBAL_RNG_LOCK, torch.inference_mode():
+            if state is None:
+                torch.manual_seed(int(job.params["seed"]))
+            else:
+                set_rng_state(state, self.device)
+            result = self.model.generate(**kwargs)
+            after = rng_state(self.device)
+        if job.cancelled:
+            raise StageCancelled()
+        sequences = result if isinstance(result, torch.Tensor) else result.sequences
+        generated = sequences[0, prepared.prompt_length :].detach().cpu()
+        if generated.numel() > hook.seen:  # the last token(s) after the final hook call
+            self.emit_delta(job, generated[hook.seen :], generated)
+        job.output_tokens = int(generated.numel())
+        job.finish_reason = (
+            FinishReason.LENGTH if generated.numel() >= prepared.max_new_tokens else FinishReason.STOP
+        )
+        job.add_output({**self.outputs(job, generated, prepared, result), "rng_state": after})

@@ -1,0 +1,143 @@
+"""Stage 2, code2wav: codec ids -> 24 kHz mono float32 samples (token2wav: flow-matching DiT, BigVGAN).
+
+transformers' ``Qwen2_5OmniToken2WavModel`` built from the checkpoint's ``token2wav`` weights, in float32
+as the one-shot model runs it. The DiT integrates an ODE (Runge-Kutta 4, ``num_inference_steps`` time
+points, classifier-free guidance ``guidance_scale``) from noise to a mel spectrogram conditioned on the
+codes and the voice (``spk_dict.pt``: speaker embedding and reference mel); BigVGAN turns the mel into
+samples. The starting noise comes from the RNG stream the talker handed on (``rng_state``), drawn from a
+generator of this stage's own, so nothing here waits on the other stages' RNG lock. Each request is
+rendered alone, as the one-shot model does per sample: batching never changes a sample.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from engine.events import AudioDelta, DiffusionStep
+from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, omni_config, part_state_dict
+from engine.request import RequestError
+from engine.stages.base import StageCancelled, StageJob, StageRunner, intra_op_threads_for
+
+SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
+
+
+class Code2WavStage(StageRunner):
+    """Codes -> samples, one request at a time (``audio`` and ``sample_rate`` outputs, one AudioDelta)."""
+
+    kind = "diffusion"
+    model: Any = None
+
+    def load(self) -> None:
+        from transformers import Qwen2_5OmniToken2WavModel
+
+        config = omni_config(self.model_path).token2wav_config
+        model = Qwen2_5OmniToken2WavModel._from_config(config)
+        model.load_state_dict(part_state_dict(self.model_path, "token2wav."))
+        self.model = model.float().to(self.device).eval()  # token2wav runs in float32 (as in the library)
+        self.speakers = load_speakers(self.model_path)
+        self.loaded = True
+
+    def close(self) -> None:
+        self.model = None
+        super().close()
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        return None if self.model is None else intra_op_threads_for([self.model], self.device)
+
+    def total_steps(self, job: StageJob) -> int:
+        return int(job.params.get("num_inference_steps") or 0)
+
+    def run(self, jobs: list[StageJob]) -> None:
+        for job in jobs:
+            if job.cancelled:
+                raise StageCancelled()
+            with torch.inference_mode():
+                samples = self.render(job)
+            job.add_output({"audio": samples, "sample_rate": SAMPLE_RATE})
+            job.emit(AudioDelta(job.request_id, job.index, self.stage_id, samples.numpy(), SAMPLE_RATE))
+
+    def conditioning(self, job: StageJob) -> tuple[torch.Tensor, torch.Tensor]:
+        """The voice's speaker embedding (1, E) and reference mel (1, frames, mels), float32 here."""
+        voice = str(job.params["voice"])
+        speaker = self.speakers.get(voice)
+        if speaker is None:
+            raise RequestError(
+                "voice", f"the model has no voice {voice!r}; allowed: {', '.join(self.speakers)}"
+            )
+        return speaker["cond"].to(self.device).float(), speaker["ref_mel"].to(self.device).float()
+
+    def noise(self, job: StageJob, frames: int) -> torch.Tensor:
+        """The ODE's starting point: the next normal draws of the stream the talker left (the request's
+        seed when there is none), on a generator of this stage's own."""
+        generator = torch.Generator()
+        state = job.inputs.get("rng_state")
+        if state is None:
+            generator.manual_seed(int(job.params["seed"]))
+        else:
+            generator.set_state(state["cpu"])
+        mels = self.model.code2wav_dit_model.mel_dim
+        return torch.randn((1, frames, mels), generator=generator).to(self.device)
+
+    def render(self, job: StageJob) -> torch.Tensor:
+        """The request's codes as float32 samples (1-D, on the CPU)."""
+        codes = torch.as_tensor(job.inputs["codes"]).reshape(1, -1).to(self.device)
+        if codes.shape[1] == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        dit = self.model.code2wav_dit_model
+        frames = codes.shape[1] * dit.repeats
+        if frames > dit.config.max_position_embeddings:
+            raise RequestError(
+                "max_tokens",
+                f"{codes.shape[1]} codes make {frames} mel frames; the DiT takes at most "
+                f"{dit.config.max_position_embeddings}",
+            )
+        speaker, reference = self.conditioning(job)
+        mel = self.integrate(job, codes, speaker, reference, self.noise(job, frames))
+        return self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
+
+    def integrate(
+        self,
+        job: StageJob,
+        codes: torch.Tensor,
+        speaker: torch.Tensor,
+        reference: torch.Tensor,
+        start: torch.Tensor,
+    ) -> torch.Tensor:
+        """The DiT's flow from ``start`` (noise) to a mel (1, mels, frames), one DiffusionStep per step."""
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+        dit = self.model.code2wav_dit_model
+        steps = int(job.params.get("num_inference_steps") or 10)
+        guidance = float(job.params.get("guidance_scale", 0.5))
+        speaker_rows = speaker.unsqueeze(1).repeat(1, start.shape[1], 1)
+        calls = [0]
+
+        def velocity(time: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+            if job.cancelled:
+                raise StageCancelled()
+            if calls[0] and calls[0] % 4 == 0:  # Runge-Kutta 4: four evaluations per step
+                job.emit(
+                    DiffusionStep(job.request_id, job.index, self.stage_id, step=calls[0] // 4, total=steps)
+                )
+            calls[0] += 1
+            common = {
+                "hidden_states": state,
+                "speaker_embedding": speaker_rows,
+                "condition_vector": reference,
+                "quantized_code": codes,
+                "time_step": time,
+            }
+            if guidance < 1e-5:
+                return dit(**common, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
+            guided, unguided = torch.chunk(dit(**common, apply_cfg=True), 2, dim=0)
+            return guided + (guided - unguided) * guidance
+
+        times = torch.linspace(0, 1, steps, device=codes.device, dtype=speaker_rows.dtype)
+        times += SWAY_COEFFICIENT * (torch.cos(math.pi / 2 * times) - 1 + times)
+        trajectory = RungeKutta4ODESolver(function=velocity, initial_value=start).integrate(times)
+        job.emit(DiffusionStep(job.request_id, job.index, self.stage_id, step=steps, total=steps))
+        return trajectory[-1].permute(0, 2, 1)
