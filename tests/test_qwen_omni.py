@@ -11,7 +11,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
-from engine import ChatTurn, GenerationParams, GenerationRequest, RequestError, RunFinished, StageStarted
+from engine import (
+    ChatTurn,
+    GenerationParams,
+    GenerationRequest,
+    RequestError,
+    RunFailed,
+    RunFinished,
+    StageStarted,
+    TokenProgress,
+)
 from engine.engine import OmniEngine, build_engine
 from engine.events import AudioDelta, TextDelta
 from engine.modality import OutputModality
@@ -198,3 +207,23 @@ def test_a_copied_checkpoint_folder_loads_as_a_local_model(omni, tmp_path, sessi
     builtin = omni.run(speak(voice="Ethan")).outputs[0]
     assert local.text == builtin.text
     assert np.array_equal(local.audio, builtin.audio)
+
+
+def test_cancel_during_the_thinker_stops_the_request_before_any_speech(omni):
+    """Cancelled from the first token's event (on the thinker's own thread, so before its next token):
+    the request ends cancelled and neither the talker nor code2wav runs."""
+    events: list = []
+    done = threading.Event()
+
+    def sink(event) -> None:
+        events.append(event)
+        if isinstance(event, TokenProgress | TextDelta) and len(events) < 50:
+            omni.cancel(event.request_id)
+        if isinstance(event, RunFinished | RunFailed):
+            done.set()
+
+    omni.submit(omni.resolve(speak(seed=5)), sink)
+    assert done.wait(timeout=300)
+    assert isinstance(events[-1], RunFailed) and events[-1].cancelled
+    assert [e.stage_id for e in events if isinstance(e, StageStarted)] == [0]
+    assert not [e for e in events if isinstance(e, AudioDelta)]
