@@ -347,7 +347,7 @@ def test_submitting_checks_every_cell_against_the_running_studio(store, recorder
 
     problems = refused({"prompts": ["a"], "x": {"param": "model", "values": ["tiny-diffusion", "nope"]}})
     assert problems == {
-        "x.values[1]": "unknown model 'nope'; allowed: tiny-chat, tiny-diffusion, tiny-glm-image, tiny-glm-shapes"
+        "x.values[1]": "unknown model 'nope'; allowed: tiny-chat, tiny-diffusion, tiny-glm-image, tiny-glm-shapes, tiny-qwen-omni"
     }
     problems = refused({"prompts": ["a"], "x": {"param": "size", "values": ["64x64", "72x64"]}})
     assert problems == {"x.values[1]": "width must be a multiple of 16 for diffusion models, got 72"}
