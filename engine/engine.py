@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.building import build_pipeline_config, device_problems, resolve_device
+from engine.client_load import ClientLoad
 from engine.config import (
     ConfigProblem,
     DeployConfig,
@@ -86,6 +87,7 @@ class OmniEngine:
         self.max_pending = max_pending
         self._lock = threading.RLock()
         self._handles: dict[str, RequestHandle] = {}
+        self.client_load = ClientLoad()  # requests in flight per client: lighter clients first
         self._closed = False
         self._modalities = {s.stage_id: parse_output_modalities(s.engine_output_type) for s in config.stages}
         self.workers = {sid: StageWorker(runner, self) for sid, runner in runners.items()}
@@ -226,8 +228,13 @@ class OmniEngine:
                 raise EngineClosed("the engine has been shut down")
             if len(self._handles) >= self.max_pending:
                 raise EngineBusy(f"{len(self._handles)} requests in flight (limit {self.max_pending})")
+            if resolved.request_id in self._handles:  # its events, cancel and fair share are per id
+                raise RequestError(
+                    "request_id", f"a request with id {resolved.request_id} is already in flight"
+                )
             handle = RequestHandle(resolved, sink, self.config.stages_for(resolved.modalities))
             self._handles[handle.request_id] = handle
+            self.client_load.add(handle.client)
             for variant in handle.variants:
                 for stage in [s for s in self.config.entry_stages if s.stage_id in handle.stages]:
                     self._enqueue(handle, variant, stage)
@@ -334,7 +341,7 @@ class OmniEngine:
             emit=handle.emit,
             accumulator=OutputAccumulator(self._modalities[stage.stage_id]),
             cancel_event=handle.cancel_event,
-            client=request.client or f"request:{handle.request_id}",
+            client=handle.client,
         )
         variant.jobs[stage.stage_id] = job
         self.workers[stage.stage_id].submit(Ticket(job, handle, variant, stage, time.time()))
@@ -449,7 +456,8 @@ class OmniEngine:
 
     def _finish(self, handle: RequestHandle, event: EngineEvent) -> None:
         handle.terminal = event
-        self._handles.pop(handle.request_id, None)
+        if self._handles.pop(handle.request_id, None) is not None:
+            self.client_load.remove(handle.client)
         handle.emit(event)
 
     # shutdown ---------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from engine.client_load import HOLD_LIMIT_S, ClientLoad
 from engine.config import (
     ResolvedStage,
 )
@@ -80,6 +80,11 @@ class RequestHandle:
     def request_id(self) -> str:
         return self.resolved.request_id
 
+    @property
+    def client(self) -> str:
+        """Whom it is served for in the stages' fair queues (its own id, when anonymous)."""
+        return self.resolved.request.client or f"request:{self.request_id}"
+
     def cancel(self) -> None:
         self.cancel_event.set()
 
@@ -90,6 +95,10 @@ class RequestHandle:
 
 
 # -- stage workers --------------------------------------------------------------------------------
+
+
+# How often a held-back batch looks again (the lighter request may have finished).
+HOLD_POLL_S = 0.02
 
 
 class StageWorker:
@@ -108,6 +117,7 @@ class StageWorker:
         self.running = 0  # batch runners: batches running now (one per worker thread)
         self.in_flight = 0  # concurrent runners: jobs handed to the runner and not yet done
         self.in_flight_by_client: dict[str, int] = {}
+        self._holding_since: float | None = None  # a heavier client's batch held back since (monotonic)
         # One thread per batch the runner can take at once: 1 in-process, one per replica on Ray.
         slots = 1 if runner.concurrent else max(1, int(runner.parallel_batches))
         self.threads = [
@@ -130,12 +140,16 @@ class StageWorker:
         return len(self.queue)
 
     def fair_order(self) -> list[Ticket]:
-        """The queue in the order it will be served: clients round-robin, the one served longest ago (or
-        never) first, each client's own jobs oldest first. Callers hold ``cond``."""
+        """The queue in the order it will be served: clients round-robin, lighter clients (fewer requests
+        in flight in the engine) first, then the one served longest ago (or never), each client's own
+        jobs oldest first. Callers hold ``cond``."""
         by_client: dict[str, list[Ticket]] = {}
         for ticket in self.queue:
             by_client.setdefault(ticket.client, []).append(ticket)
-        clients = sorted(by_client, key=lambda c: (self._served.get(c, -1), by_client[c][0].enqueued_at))
+        load = self.engine.client_load.snapshot()
+        clients = sorted(
+            by_client, key=lambda c: (load.get(c, 0), self._served.get(c, -1), by_client[c][0].enqueued_at)
+        )
         order: list[Ticket] = []
         for turn in range(max((len(jobs) for jobs in by_client.values()), default=0)):
             order += [by_client[c][turn] for c in clients if turn < len(by_client[c])]
@@ -175,11 +189,14 @@ class StageWorker:
                     return None
                 order = self.fair_order()
                 first = order[0]
-                # A client with one job here never shares a batch with clients holding several: its job
-                # runs in a batch of other such jobs, so a busy client's batch cannot set its pace
-                # (docs/batching.md, "Fair admission").
-                queued = Counter(ticket.client for ticket in self.queue)
-                single = queued[first.client] == 1
+                if self._held_back(first):
+                    self.cond.wait(HOLD_POLL_S)
+                    continue
+                # A client with one request in flight never shares a batch with clients holding several:
+                # its job runs in a batch of other such jobs, so a busy client's batch cannot set its
+                # pace (docs/batching.md, "Fair admission").
+                load = self.engine.client_load.snapshot()
+                single = load[first.client] <= 1
                 self._take(first)
                 try:
                     key = self.runner.batch_key(first.job)
@@ -201,11 +218,26 @@ class StageWorker:
                     self.queue.remove(ticket)
                     failed.append((ticket, exc))
                     continue
-                if same and (queued[ticket.client] == 1) == single:
+                if same and (load[ticket.client] <= 1) == single:
                     self._take(ticket)
                     batch.append(ticket)
             self.running += 1
             return batch, failed
+
+    def _held_back(self, first: Ticket) -> bool:
+        """Whether the next batch (``first``'s client is the lightest with a job queued here) waits: a
+        lighter client has a request in flight elsewhere in the engine, and the batch has waited less
+        than HOLD_LIMIT_S (engine/client_load.py). Callers hold ``cond``."""
+        if not self.engine.client_load.lighter_than(first.client):
+            self._holding_since = None
+            return False
+        now = time.monotonic()
+        if self._holding_since is None:
+            self._holding_since = now
+        if now - self._holding_since < HOLD_LIMIT_S:
+            return True
+        self._holding_since = None
+        return False
 
     def _loop(self) -> None:
         if self.runner.concurrent:
@@ -318,6 +350,8 @@ class StageWorker:
 
 class WorkerHost(Protocol):
     """What a stage worker calls back: the engine that routes its jobs' results."""
+
+    client_load: ClientLoad
 
     def _job_started(self, ticket: Ticket, started: float) -> None: ...
 

@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,25 @@ def run_batch(
             if isinstance(event, RunFinished) and i >= 0:
                 results[i] = event
 
+    first = requests[0]
     blockers = [
-        # Holds stage 0 while the 8 are submitted, so they decode together.
-        threading.Thread(target=one, args=(-1, requests[0].with_params(seed=999, height=512, width=512))),
+        # Holds stage 0 while the 8 are submitted, so they decode together. Each blocker is a request of
+        # its own (its own id, so its own client in the engine's fair queues).
+        threading.Thread(
+            target=one,
+            args=(
+                -1,
+                GenerationRequest(first.prompt, replace(first.params, seed=999, height=512, width=512)),
+            ),
+        ),
         # Reaches stage 1 first and holds it (many steps) while the 8 finish decoding and queue there.
-        threading.Thread(target=one, args=(-1, requests[0].with_params(seed=998, num_inference_steps=1000))),
+        threading.Thread(
+            target=one,
+            args=(
+                -1,
+                GenerationRequest(first.prompt, replace(first.params, seed=998, num_inference_steps=1000)),
+            ),
+        ),
     ]
     for blocker in blockers:
         blocker.start()

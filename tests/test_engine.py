@@ -361,3 +361,23 @@ def test_templates_are_frozen():
 
     with pytest.raises(FrozenInstanceError):
         StageTemplate(0, "ar", (), "text", True).kind = "diffusion"  # type: ignore[misc]
+
+
+def test_a_request_id_already_in_flight_is_refused_and_the_first_run_is_untouched(glm_engine):
+    """Events, cancel and the fair queues are per request id: a second submit of an id in flight is a
+    RequestError naming ``request_id``, and the first request still finishes with its picture."""
+    resolved = glm_engine.resolve(t2i(height=64, width=64))
+    done = threading.Event()
+    events = []
+
+    def sink(event):
+        events.append(event)
+        if isinstance(event, RunFinished) or getattr(event, "message", None) is not None:
+            done.set()
+
+    glm_engine.submit(resolved, sink)
+    with pytest.raises(RequestError) as caught:
+        glm_engine.submit(resolved, sink)
+    assert caught.value.field == "request_id" and "already in flight" in str(caught.value)
+    assert done.wait(120)
+    assert isinstance(events[-1], RunFinished) and events[-1].images[0].size == (64, 64)

@@ -143,10 +143,10 @@ def test_waiting_requests_are_served_round_robin_across_clients(tmp_path):
 def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(tmp_path):
     """Fair admission (docs/batching.md): one client holds all three AR slots with long decodes and queues
     more; another client's short request joins the running steps at once, so it starts and finishes its
-    decode while the busy rows are still decoding. Clients share a step in equal parts: the newcomer
-    steps beside one busy row (2 rows, not max_num_seqs' 3), the other busy rows paused meanwhile.
-    Without it, the newcomer would wait for a slot (a busy decode has ~16x its tokens), then decode in
-    full steps. The paused rows lose nothing: their pictures equal the ones they draw alone."""
+    decode while the busy rows are still decoding. Lighter clients first: the newcomer steps alone (1
+    row, not max_num_seqs' 3), every busy row paused meanwhile. Without it, the newcomer would wait for a
+    slot (a busy decode has ~16x its tokens), then decode in full steps beside the busy rows. The paused
+    rows lose nothing: their pictures equal the ones they draw alone."""
     import threading
 
     from engine import GenerationParams, GenerationRequest, build_engine
@@ -195,10 +195,10 @@ def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(
         finished_quiet = next(i for i, e in enumerate(events) if e[:2] == ("finished", "quiet"))
         busy_finished = [i for i, e in enumerate(events) if e[0] == "finished" and e[1].startswith("busy")]
         assert not busy_finished or min(busy_finished) > finished_quiet, events  # decoded beside both
-        assert events[finished_quiet][2] == 2, events  # equal shares: one busy row beside it, two paused
+        assert events[finished_quiet][2] == 1, events  # lighter client first: every busy row paused
         assert "busy-4" not in names("started")[: started_quiet + 1], events  # ahead of the queued one
         wait_for(lambda: len(images) == 5, 300)
-        for name in ("busy-2", "busy-3"):  # the newest busy rows: paused while the newcomer decoded
+        for name in ("busy-1", "busy-3"):  # busy rows: paused while the newcomer decoded
             alone = engine.run(request(name, "alone", 256))
             assert alone.images[0].tobytes() == images[name], name
     finally:
@@ -249,4 +249,57 @@ def test_a_quiet_clients_job_runs_in_a_denoise_batch_of_its_own(tmp_path):
         assert batch_sizes["quiet"] == 1, batch_sizes
         assert [batch_sizes[f"busy-{i}"] for i in range(3)] == [3, 3, 3], batch_sizes
     finally:
+        engine.close()
+
+
+def test_a_heavier_clients_batch_waits_while_a_lighter_request_is_in_flight(tmp_path, monkeypatch):
+    """Lighter clients first across stages (engine/client_load.py): two jobs of a busy client wait at the
+    DiT stage behind a long denoise; a quiet client's request is decoding its tokens when the denoise
+    ends. The busy batch is held back (here without a time limit) until the quiet request reaches the
+    stage, which then denoises it first, instead of the busy batch taking the stage while the quiet
+    request decodes and the quiet one waiting for it."""
+    import threading
+
+    import engine.workers as workers
+    from engine import GenerationParams, GenerationRequest, build_engine
+    from engine.events import RunFinished, StageStarted, TokenProgress
+
+    monkeypatch.setattr(workers, "HOLD_LIMIT_S", 600.0)
+    engine = build_engine("tiny-glm-image", tiny_deploy("tiny-glm-image"), data_dir=tmp_path)
+    started: list[str] = []
+    finished: list[str] = []
+    decoding, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+
+    def run(name: str, client: str, steps: int) -> None:
+        params = GenerationParams(seed=len(name), height=64, width=64, num_inference_steps=steps)
+        resolved = engine.resolve(GenerationRequest(f"a lighthouse, {name}", params, client=client))
+
+        def sink(event) -> None:
+            if name == "quiet" and isinstance(event, TokenProgress) and not decoding.is_set():
+                decoding.set()
+                release.wait(120)  # holds the quiet request mid-decode (this is the decode thread)
+            with lock:
+                if isinstance(event, StageStarted) and event.stage_id == 1:
+                    started.append(name)
+                if isinstance(event, RunFinished):
+                    finished.append(name)
+
+        engine.submit(resolved, sink)
+
+    try:
+        run("blocker", "blocker", 300)
+        wait_for(lambda: "blocker" in started, 60)
+        run("busy-0", "busy", 2)
+        run("busy-1", "busy", 2)
+        wait_for(lambda: engine.waiting_depths()[1] == 2 or "blocker" in finished, 60)
+        assert engine.waiting_depths()[1] == 2, "the blocker ended before the busy jobs queued behind it"
+        run("quiet", "quiet", 2)
+        assert decoding.wait(60)
+        wait_for(lambda: "blocker" in finished, 120)
+        release.set()
+        wait_for(lambda: len(finished) == 4, 120)
+        assert started == ["blocker", "quiet", "busy-0", "busy-1"], started
+    finally:
+        release.set()
         engine.close()

@@ -328,28 +328,20 @@ class TransformersARStage(StageRunner):
         return None
 
     def _stepping(self, rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
-        """The rows that take a step now and those paused. Clients share a step in equal parts: while
-        rows of several clients decode, none steps more rows than the client holding the fewest (its
-        oldest first), so a quiet client's request decodes at nearly its alone speed beside a client
-        with many in flight instead of in full 8-row steps. Past max_num_seqs (the engine's fair
-        admission gave a client with nothing here a row while another held several), the client holding
-        the most stepping rows has its newest paused until the count is back at max_num_seqs. A paused
-        row keeps its cache and logits and resumes when the step has room again: the same tokens, a
-        little later (docs/batching.md, "Fair admission")."""
+        """The rows that take a step now and those paused. Lighter clients first: while rows of several
+        clients decode, only those of the clients holding the fewest rows step, so a quiet client's
+        request decodes at its alone speed beside a client with many in flight (engine/client_load.py).
+        Past max_num_seqs (the engine's fair admission gave a client with nothing here a row while
+        another held several), the client holding the most stepping rows has its newest paused until the
+        count is back at max_num_seqs. A paused row keeps its cache and logits and resumes when the step
+        has room again: the same tokens, a little later (docs/batching.md, "Fair admission")."""
         limit = max(1, self.max_batch_size)
         held = Counter(row.job.client for row in rows)
-        share = min(held.values()) if len(held) > 1 else limit
-        if len(rows) <= limit and max(held.values(), default=0) <= share:
+        fewest = min(held.values(), default=0)
+        if len(rows) <= limit and max(held.values(), default=0) == fewest:
             return rows, []
-        stepping: list[_Row] = []
-        paused: list[_Row] = []
-        taken: Counter[str] = Counter()
-        for row in rows:  # admission order: each client's oldest rows step
-            if taken[row.job.client] < share:
-                taken[row.job.client] += 1
-                stepping.append(row)
-            else:
-                paused.append(row)
+        stepping = [row for row in rows if held[row.job.client] == fewest]
+        paused = [row for row in rows if held[row.job.client] != fewest]
         while len(stepping) > limit:
             counts = Counter(row.job.client for row in stepping)
             most = max(counts.values())
