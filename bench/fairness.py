@@ -4,7 +4,7 @@ Against a real `omni-studio serve` (default: tiny-glm-shapes with its shipped de
 ``--clients`` well-behaved clients send chat requests one after another; phases alternate over rounds:
 
 - quiet: only them;
-- abusive: meanwhile one more client keeps sending a 1 MB chat prompt (250,000 words) on a raw socket
+- abusive: meanwhile one more client (a process of its own) keeps sending a 1 MB chat prompt (250,000 words) on a raw socket
   and closes it without reading the answer (the studio refuses it: `--max-prompt-chars`, a 400 naming
   `messages`; then, past a sustained rate of refusals, 429s: studio/api/refusals.py).
 
@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -53,7 +55,8 @@ def send_and_walk_away(host: str, port: int, data: bytes) -> None:
     ).encode()
     try:
         with socket.create_connection((host, port), timeout=30) as sock:
-            sock.sendall(head + data)
+            sock.sendall(head)
+            sock.sendall(data)
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:  # the server answered 429 without reading the body and closed: the next one
         pass
@@ -71,27 +74,55 @@ def well_behaved(url: str, client: int, per_client: int) -> list[float]:
     return times
 
 
-def phase(url: str, clients: int, per_client: int, abusive: bool) -> tuple[list[float], int]:
-    stop = threading.Event()
-    sent = [0]
+def abuse(url: str) -> None:
+    """The abusive client (``--abuse URL``, a process of its own, as another machine's client would be:
+    it shares no interpreter lock with the well-behaved clients): sends 1 MB prompts back to back until
+    terminated, then prints how many it sent."""
+    data = huge_body()
+    parsed = httpx.URL(url)
+    sent = 0
 
-    def abuse() -> None:
-        data = huge_body()
-        parsed = httpx.URL(url)
-        while not stop.is_set():
-            send_and_walk_away(parsed.host, parsed.port or 80, data)
-            sent[0] += 1
+    def report(*_: object) -> None:
+        print(sent, flush=True)
+        sys.exit(0)
 
-    abuser = threading.Thread(target=abuse, daemon=True) if abusive else None
+    signal.signal(signal.SIGTERM, report)
+    while True:
+        send_and_walk_away(parsed.host, parsed.port or 80, data)
+        sent += 1
+
+
+def sink() -> None:
+    """``--sink``: the cheapest possible server (accept, close; a process of its own) on a free port,
+    printed first. The control phase floods it instead of the studio: the same abuser load on the
+    machine, none of it on the studio, so the control's ratio is what the abuser costs the machine's
+    shared CPU by itself, whatever any server does."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        print(f"http://127.0.0.1:{server.getsockname()[1]}", flush=True)
+        while True:
+            conn, _ = server.accept()
+            conn.close()
+
+
+def phase(url: str, clients: int, per_client: int, target: str | None) -> tuple[list[float], int]:
+    """The well-behaved clients' latencies, with an abuser flooding ``target`` meanwhile (None: none)."""
+    abuser = (
+        subprocess.Popen([sys.executable, __file__, "--abuse", target], stdout=subprocess.PIPE, text=True)
+        if target
+        else None
+    )
     if abuser:
-        abuser.start()
         time.sleep(0.5)
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda c: well_behaved(url, c, per_client), range(clients)))
-    stop.set()
-    if abuser:
-        abuser.join(timeout=30)
-    return [t for times in results for t in times], sent[0]
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            results = list(pool.map(lambda c: well_behaved(url, c, per_client), range(clients)))
+    finally:
+        sent = 0
+        if abuser:
+            abuser.terminate()
+            out, _ = abuser.communicate(timeout=30)
+            sent = int(out.strip() or 0)
+    return [t for times in results for t in times], sent
 
 
 def greedy_phase(url: str, per_client: int, greedy: bool) -> tuple[list[float], list[int]]:
@@ -155,31 +186,60 @@ def main() -> None:
     parser.add_argument("--per-client", type=int, default=3)
     parser.add_argument("--model", default="tiny-glm-shapes")
     parser.add_argument("--scenario", choices=("flood", "greedy"), default="flood")
+    parser.add_argument("--abuse", metavar="URL", help=argparse.SUPPRESS)  # the abuser's own process
+    parser.add_argument("--sink", action="store_true", help=argparse.SUPPRESS)  # the control's server
     args = parser.parse_args()
+    if args.abuse:
+        abuse(args.abuse)
+        return
+    if args.sink:
+        sink()
+        return
     with running_server(["serve", "--model", args.model], Path(tempfile.mkdtemp())) as server:
         well_behaved(server.url, 0, 1)  # warm-up
         if args.scenario == "greedy":
             greedy_scenario(server.url, args.rounds, args.per_client)
             return
-        ratios, quiet_all, abusive_all, huge = [], [], [], 0
-        for round_ in range(args.rounds):
-            order = (False, True) if round_ % 2 == 0 else (True, False)
-            p50 = {}
-            for abusive in order:
-                times, sent = phase(server.url, args.clients, args.per_client, abusive)
-                huge += sent
-                (abusive_all if abusive else quiet_all).extend(times)
-                p50[abusive] = statistics.median(times)
-                label = f"abusive ({sent} x 1 MB sent)" if abusive else "quiet"
-                print(
-                    f"round {round_ + 1} {label:28}: p50 {p50[abusive]:.2f} s, p95 {pct(times, 0.95):.2f} s"
-                )
-            ratios.append(p50[True] / p50[False])
+        sink_process = subprocess.Popen(
+            [sys.executable, __file__, "--sink"], stdout=subprocess.PIPE, text=True
+        )
+        assert sink_process.stdout is not None
+        sink_url = sink_process.stdout.readline().strip()
+        try:
+            flood_scenario(server.url, sink_url, args.rounds, args.clients, args.per_client)
+        finally:
+            sink_process.kill()
+
+
+def flood_scenario(url: str, sink_url: str, rounds: int, clients: int, per_client: int) -> None:
+    """Per round, in rotating order: quiet, abusive (the studio flooded) and control (the sink flooded:
+    the same load on the machine, none on the studio)."""
+    labels = {"quiet": None, "abusive": url, "control": sink_url}
+    times_all: dict[str, list[float]] = {label: [] for label in labels}
+    ratios: dict[str, list[float]] = {"abusive": [], "control": []}
+    huge = 0
+    for round_ in range(rounds):
+        order = list(labels)[round_ % 3 :] + list(labels)[: round_ % 3]
+        p50 = {}
+        for label in order:
+            times, sent = phase(url, clients, per_client, labels[label])
+            huge += sent if label == "abusive" else 0
+            times_all[label].extend(times)
+            p50[label] = statistics.median(times)
+            text = f"{label} ({sent} x 1 MB sent)" if labels[label] else label
+            print(f"round {round_ + 1} {text:32}: p50 {p50[label]:.2f} s, p95 {pct(times, 0.95):.2f} s")
+        for label in ratios:
+            ratios[label].append(p50[label] / p50["quiet"])
+
+    def summary(label: str) -> str:
+        values = ratios[label]
+        return f"{min(values):.2f}-{max(values):.2f}, median {statistics.median(values):.2f}"
+
     print(
-        f"\n{args.clients} clients, p50 quiet {statistics.median(quiet_all):.2f} s, "
-        f"with 1 MB prompts {statistics.median(abusive_all):.2f} s; ratio per round "
-        f"{min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f} (target <= 2.0); "
-        f"{huge} x 1 MB prompts sent"
+        f"\n{clients} clients, p50 quiet {statistics.median(times_all['quiet']):.2f} s, with 1 MB prompts "
+        f"{statistics.median(times_all['abusive']):.2f} s; ratio per round {summary('abusive')} (target <= 2.0); "
+        f"{huge} x 1 MB prompts sent\ncontrol (the same flood sent to a sink, not the studio: what the abuser's "
+        f"own CPU costs this machine): ratio {summary('control')}"
     )
 
 
