@@ -266,12 +266,63 @@ def _check_after_0005(connection: Connection) -> None:
     assert row[0] == "a fox"
 
 
+AUDIO_RUN_COLUMNS = {"ttfp_seconds", "audio_seconds", "realtime_factor"}
+AUDIO_OUTPUT_COLUMNS = {"duration_seconds", "sample_rate"}
+
+
+def _added_0006(connection: Connection) -> None:
+    assert columns(connection, "runs") >= AUDIO_RUN_COLUMNS
+    assert columns(connection, "outputs") >= AUDIO_OUTPUT_COLUMNS
+    assert search_index_present(connection)
+
+
+def _removed_0006(connection: Connection) -> None:
+    assert not AUDIO_RUN_COLUMNS & columns(connection, "runs")
+    assert not AUDIO_OUTPUT_COLUMNS & columns(connection, "outputs")
+    # Dropping the columns must not take the prompt-search index (0003's triggers) with it.
+    assert search_index_present(connection)
+
+
+def _check_after_0006(connection: Connection) -> None:
+    _check_after_0005(connection)
+    rows = connection.execute(
+        text("SELECT id, ttfp_seconds, audio_seconds, realtime_factor FROM runs ORDER BY id")
+    ).all()
+    assert [tuple(r) for r in rows] == [("r1", None, None, None), ("r2", None, None, None)]
+    image = connection.execute(text("SELECT kind, width, duration_seconds, sample_rate FROM outputs")).one()
+    assert tuple(image) == ("image", 32, None, None)
+    # An audio run and its WAV, as the recorder writes them now.
+    connection.execute(
+        text(
+            "UPDATE runs SET ttfp_seconds = 0.25, audio_seconds = 1.2, realtime_factor = 0.3 WHERE id = 'r1'"
+        )
+    )
+    connection.execute(
+        text(
+            'INSERT INTO outputs (run_id, "index", kind, sha256, mime, size_bytes, duration_seconds, '
+            "sample_rate) VALUES ('r1', 0, 'audio', :sha, 'audio/wav', 57644, 1.2, 24000)"
+        ),
+        {"sha": "c" * 64},
+    )
+    audio = connection.execute(
+        text(
+            "SELECT o.duration_seconds, o.sample_rate, r.audio_seconds FROM outputs o "
+            "JOIN runs r ON r.id = o.run_id WHERE o.kind = 'audio'"
+        )
+    ).one()
+    assert tuple(audio) == (1.2, 24000, 1.2)
+    if connection.dialect.name == "sqlite":  # the prompt search still follows the runs table
+        connection.execute(text("UPDATE runs SET prompt = 'say hello' WHERE id = 'r1'"))
+        assert _fts_ids(connection, "say hello") == {"r1"}
+
+
 ADDED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_added_0001, _removed_0001),
     "0002": (_added_0002, _removed_0002),
     "0003": (_added_0003, _removed_0003),
     "0004": (_added_0004, _removed_0004),
     "0005": (_added_0005, _removed_0005),
+    "0006": (_added_0006, _removed_0006),
 }
 POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_populate_before_0001, _check_after_0001),
@@ -279,6 +330,7 @@ POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], 
     "0003": (_populate_before_0003, _check_after_0003),
     "0004": (_populate_before_0002, _check_after_0004),
     "0005": (_populate_before_0002, _check_after_0005),
+    "0006": (_populate_before_0002, _check_after_0006),
 }
 
 

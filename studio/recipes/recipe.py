@@ -36,7 +36,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from engine.config import PipelineConfig
-from engine.events import EngineEvent, RunFinished
+from engine.events import EngineEvent, RunFinished, RunOutput
 from engine.request import ResolvedRequest
 from studio import __version__
 from studio.media.images import attach_png_text, png_bytes
@@ -120,6 +120,11 @@ class Recipe:
         negative_line = f"\nNegative prompt: {negative}" if negative else ""
         return f"{self.prompt}{negative_line}\n{line}".strip()
 
+    def as_object(self) -> dict[str, Any]:
+        """The recipe as the JSON object the ``omni_studio`` chunk holds (what audio files carry)."""
+        body: dict[str, Any] = json.loads(self.to_json())
+        return body
+
     def chunks(self) -> tuple[tuple[str, str], ...]:
         """The PNG text chunks, A1111's first (readers that take the first text chunk find it)."""
         return ((PARAMETERS_KEY, self.a1111_text()), (RECIPE_KEY, self.to_json()))
@@ -163,13 +168,30 @@ class RunRecipe:
         return replace(self.base, parameters={**self.base.parameters, "seed": seed})
 
     def stamp(self, event: RunFinished) -> None:
-        """Attach each output image's recipe to it, before anything encodes it."""
+        """Attach each output image's recipe to it, and each spoken output's to the output (its
+        ``extras``, read by :func:`audio_recipe`), before anything encodes them."""
         for output in event.outputs:
+            if output.audio is not None:
+                output.extras[AUDIO_RECIPE_EXTRA] = self.for_seed(output.seed).as_object()
             if not output.images:
                 continue
             chunks = self.for_seed(output.seed).chunks()
             for image in output.images:
                 attach_png_text(image, chunks)
+
+
+AUDIO_RECIPE_EXTRA = "omni_studio_recipe"  # RunOutput.extras key of a spoken output's recipe
+
+
+def audio_recipe(output: RunOutput) -> dict[str, Any] | None:
+    """The recipe :class:`RecipeStamper` attached to a spoken output (``RunOutput.audio``), as the JSON
+    object ``studio.media.audio.encode_audio`` writes into WAV and FLAC files; ``None`` when unstamped.
+
+    Every encoder of a run's audio (the run store's WAV, the CLI's ``--out``, API responses) passes it,
+    so the same samples give the same bytes wherever they are written (docs/speech.md).
+    """
+    recipe = output.extras.get(AUDIO_RECIPE_EXTRA)
+    return recipe if isinstance(recipe, dict) else None
 
 
 class RecipeStamper:
@@ -430,6 +452,7 @@ def _str_or_none(value: Any) -> str | None:
 
 __all__ = [
     "A1111",
+    "AUDIO_RECIPE_EXTRA",
     "OMNI_STUDIO",
     "PARAMETERS_KEY",
     "RECIPE_KEY",
@@ -438,6 +461,7 @@ __all__ = [
     "RecipeError",
     "RecipeStamper",
     "RunRecipe",
+    "audio_recipe",
     "parse_a1111",
     "parse_recipe_json",
     "png_text_chunks",

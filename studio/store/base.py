@@ -57,6 +57,15 @@ _FINISH = (
         output_tokens=func.coalesce(
             bindparam("p_out", type_=_runs.c.output_tokens.type), _runs.c.output_tokens
         ),
+        ttfp_seconds=func.coalesce(
+            bindparam("p_ttfp", type_=_runs.c.ttfp_seconds.type), _runs.c.ttfp_seconds
+        ),
+        audio_seconds=func.coalesce(
+            bindparam("p_audio", type_=_runs.c.audio_seconds.type), _runs.c.audio_seconds
+        ),
+        realtime_factor=func.coalesce(
+            bindparam("p_rtf", type_=_runs.c.realtime_factor.type), _runs.c.realtime_factor
+        ),
     )
 )
 
@@ -85,7 +94,9 @@ def _kind_for_mime(mime: str) -> str:
         return "image"
     if mime.startswith("text/"):
         return "text"
-    raise ValueError(f"unsupported output type {mime!r}: image/* or text/*")
+    if mime.startswith("audio/"):
+        return "audio"
+    raise ValueError(f"unsupported output type {mime!r}: image/*, text/* or audio/*")
 
 
 def _process_start_ticks(pid: int) -> int | None:

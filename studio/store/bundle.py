@@ -57,6 +57,10 @@ RUN_FIELDS = (
     "input_tokens",
     "output_tokens",
     "replay_of",  # absent in bundles written before replays existed: imported as None
+    # Runs that speak (docs/speech.md); absent in bundles written before audio: imported as None.
+    "ttfp_seconds",
+    "audio_seconds",
+    "realtime_factor",
 )
 STAGE_FIELDS = (
     "variant_index",
@@ -70,7 +74,20 @@ STAGE_FIELDS = (
     "output_tokens",
     "batch_size",
 )
-OUTPUT_FIELDS = ("index", "kind", "sha256", "mime", "width", "height", "size_bytes")
+# duration_seconds, sample_rate: audio outputs (absent in older bundles: None).
+OUTPUT_FIELDS = (
+    "index",
+    "kind",
+    "sha256",
+    "mime",
+    "width",
+    "height",
+    "size_bytes",
+    "duration_seconds",
+    "sample_rate",
+)
+# Files whose format compresses already: deflating them again only costs time (WAV and text deflate).
+_STORED_MIMES = ("image/", "audio/flac", "audio/mpeg", "audio/ogg")
 TIME_FIELDS = {"created_at", "started_at", "finished_at"}
 
 
@@ -125,8 +142,7 @@ def export_bundle(store: RunStore, path: Path | str, filter: RunFilter | None = 
                 source = store.file_path(sha, mime)
                 if not source.exists():
                     raise StoreError(f"output file {source} is missing from the data dir; cannot export it")
-                # PNGs are compressed already; deflating them again only costs time.
-                compress = zipfile.ZIP_STORED if mime.startswith("image/") else zipfile.ZIP_DEFLATED
+                compress = zipfile.ZIP_STORED if mime.startswith(_STORED_MIMES) else zipfile.ZIP_DEFLATED
                 archive.write(source, f"files/{sha}{extension(mime)}", compress_type=compress)
         os.replace(tmp, path)
     except BaseException:

@@ -8,16 +8,45 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
-_EXTENSIONS = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "text/plain": ".txt"}
+_EXTENSIONS = {
+    "image/png": ".png",
+    "image/jpeg": ".jpg",
+    "image/webp": ".webp",
+    "text/plain": ".txt",
+    # Audio, with the content types of studio/media/audio.py (docs/speech.md "Audio files").
+    "audio/wav": ".wav",
+    "audio/flac": ".flac",
+    "audio/mpeg": ".mp3",
+    "audio/ogg": ".ogg",
+}
 PNG = "image/png"
+WAV = "audio/wav"  # the format a run's audio is stored in (it carries the recipe, as PNGs do)
+# What ``GET /v1/outputs/<sha256><ext>`` serves: pictures and sound; text outputs stay in the run's record.
+SERVED_MIMES = (PNG, WAV, "audio/flac", "audio/mpeg", "audio/ogg")
+_OUTPUT_NAME = re.compile(r"^([0-9a-f]{64})(\.[a-z0-9]{1,5})$")
 
 
 def extension(mime: str) -> str:
     """The file extension outputs of this type are stored with."""
     return _EXTENSIONS.get(mime.split(";")[0].strip(), ".bin")
+
+
+def mime_for_extension(ext: str) -> str | None:
+    """The content type files with this extension (``.wav``) are stored as; ``None`` for one we never write."""
+    return next((mime for mime, known in _EXTENSIONS.items() if known == ext.lower()), None)
+
+
+def served_output(name: str) -> tuple[str, str] | None:
+    """``(sha256, mime)`` of an output file name ``<sha256><ext>`` that ``/v1/outputs`` serves, else ``None``."""
+    match = _OUTPUT_NAME.match(name)
+    if match is None:
+        return None
+    mime = mime_for_extension(match.group(2))
+    return (match.group(1), mime) if mime in SERVED_MIMES else None
 
 
 class OutputFiles:

@@ -29,7 +29,8 @@ from sqlalchemy.types import TypeDecorator
 RUN_SOURCES = ("ui", "api", "cli", "job")  # job: a cell of a batch job, or its grid (studio/jobs/service.py)
 RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
 ACTIVE_STATUSES = ("queued", "running")  # a run in one of these has a live process recording it
-OUTPUT_KINDS = ("image", "text", "source")  # source: the input image of an image-to-image run
+# source: the input image of an image-to-image run; audio: a spoken reply (WAV, docs/speech.md)
+OUTPUT_KINDS = ("image", "text", "source", "audio")
 JOB_SOURCES = ("ui", "api", "cli")  # where a batch job was submitted
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 ACTIVE_JOB_STATUSES = ("queued", "running")
@@ -112,6 +113,10 @@ class Run(Base):
     owner: Mapped[str | None] = mapped_column(String(160), index=True)
     # The run this one replays (``omni-studio replay``, History's replay action); NULL for a fresh run.
     replay_of: Mapped[str | None] = mapped_column(String(32), index=True)
+    # Runs that speak (docs/speech.md "Runs, files and the CLI"); NULL for runs without audio.
+    ttfp_seconds: Mapped[float | None] = mapped_column(Float)  # submitted -> first audio the caller got
+    audio_seconds: Mapped[float | None] = mapped_column(Float)  # audio made, every variant
+    realtime_factor: Mapped[float | None] = mapped_column(Float)  # generation seconds / audio seconds
 
     stages: Mapped[list[RunStage]] = relationship(
         back_populates="run",
@@ -170,6 +175,8 @@ class Output(Base):
     width: Mapped[int | None]
     height: Mapped[int | None]
     size_bytes: Mapped[int] = mapped_column(BigInteger)
+    duration_seconds: Mapped[float | None] = mapped_column(Float)  # audio outputs only
+    sample_rate: Mapped[int | None]  # audio outputs only (Hz)
 
     run: Mapped[Run] = relationship(back_populates="outputs")
 

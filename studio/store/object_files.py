@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from studio.store.errors import StoreError
-from studio.store.files import PNG, OutputFiles, extension
+from studio.store.files import PNG, OutputFiles, extension, mime_for_extension
 
 log = logging.getLogger("omni_studio.store")
 
@@ -129,10 +129,7 @@ class ObjectStoreFiles(OutputFiles):
         if found is not None:
             return found
         for remote in self._remote_matches(sha256):
-            ext = "." + remote.rsplit(".", 1)[-1]
-            mime = next(
-                (m for m in (PNG, "image/jpeg", "image/webp", "text/plain") if extension(m) == ext), ""
-            )
+            mime = mime_for_extension("." + remote.rsplit(".", 1)[-1])
             fetched = self._fetch(remote, sha256, mime or "application/octet-stream")
             if fetched is not None:
                 return fetched

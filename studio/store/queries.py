@@ -78,11 +78,16 @@ class RunQueries(StoreBase):
                     o.height,
                     o.size_bytes,
                     self.file_path(o.sha256, o.mime),
+                    o.duration_seconds,
+                    o.sample_rate,
                 )
                 for o in run.outputs
             ],
             config=run.config.body if run.config is not None else None,
             replay_of=run.replay_of,
+            ttfp_seconds=run.ttfp_seconds,
+            audio_seconds=run.audio_seconds,
+            realtime_factor=run.realtime_factor,
         )
 
     @staticmethod

@@ -59,6 +59,8 @@ class OutputRecord:
     height: int | None
     size_bytes: int
     path: Path
+    duration_seconds: float | None = None  # audio: its length
+    sample_rate: int | None = None  # audio: Hz
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -123,6 +125,10 @@ class RunDetail:
     outputs: list[OutputRecord] = field(default_factory=list)
     config: dict[str, Any] | None = None  # the pipeline-config snapshot (PipelineConfig.to_dict())
     replay_of: str | None = None  # the run this one replays (docs/replay.md); None for a fresh run
+    # Runs that speak (docs/run-store.md); None otherwise.
+    ttfp_seconds: float | None = None  # submitted -> the first audio its caller received
+    audio_seconds: float | None = None  # audio made, every variant
+    realtime_factor: float | None = None  # generation seconds / audio seconds
 
     @property
     def seconds(self) -> float | None:
@@ -131,6 +137,10 @@ class RunDetail:
     @property
     def images(self) -> list[OutputRecord]:
         return [o for o in self.outputs if o.kind == "image"]
+
+    @property
+    def audio(self) -> list[OutputRecord]:
+        return [o for o in self.outputs if o.kind == "audio"]
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

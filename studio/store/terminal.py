@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from studio.store.records import RunDetail, RunSummary
+from studio.store.records import OutputRecord, RunDetail, RunSummary
 
 SHORT_ID = 12  # ids are shown shortened; `history show` takes any unique prefix
 
@@ -66,6 +66,26 @@ def format_run_table(runs: Sequence[RunSummary], total: int) -> str:
     return f"{body}\n{len(runs)} of {total} run{'s' if total != 1 else ''}"
 
 
+def output_shape(output: OutputRecord) -> str:
+    """An output's size as a person reads it: ``64x64`` for a picture, ``1.20s 24kHz`` for audio."""
+    if output.width:
+        return f"{output.width}x{output.height}"
+    if output.duration_seconds is not None:
+        rate = f" {output.sample_rate / 1000:g}kHz" if output.sample_rate else ""
+        return f"{output.duration_seconds:.2f}s{rate}"
+    return "-"
+
+
+def audio_figures(run: RunDetail) -> str:
+    """A spoken run's figures (docs/speech.md): audio seconds, time to first audio, real-time factor."""
+    parts = [f"{run.audio_seconds:.2f}s made" if run.audio_seconds is not None else "none made"]
+    if run.ttfp_seconds is not None:
+        parts.append(f"first audio after {run.ttfp_seconds:.3f}s (TTFP)")
+    if run.realtime_factor is not None:
+        parts.append(f"real-time factor {run.realtime_factor:.3f}")
+    return ", ".join(parts)
+
+
 def format_run_detail(run: RunDetail) -> str:
     """One run in full: fields, parameters, per-stage timings, outputs, error and text."""
     config = "-"
@@ -87,6 +107,8 @@ def format_run_detail(run: RunDetail) -> str:
         ("config", config),
         ("tokens", tokens),
     ]
+    if run.audio_seconds is not None:
+        fields.append(("audio", audio_figures(run)))
     if run.replay_of:
         fields.append(("replay of", run.replay_of))
     if run.error:
@@ -124,7 +146,7 @@ def format_run_detail(run: RunDetail) -> str:
             (
                 o.kind,
                 o.index,
-                f"{o.width}x{o.height}" if o.width else "-",
+                output_shape(o),
                 size(o.size_bytes),
                 o.sha256[:12],
                 o.path,
@@ -133,7 +155,9 @@ def format_run_detail(run: RunDetail) -> str:
         ]
         lines += [
             "  " + line
-            for line in table(("KIND", "#", "SIZE", "BYTES", "SHA256", "FILE"), output_rows).splitlines()
+            for line in table(
+                ("KIND", "#", "SIZE/LENGTH", "BYTES", "SHA256", "FILE"), output_rows
+            ).splitlines()
         ]
     if run.text:
         lines.append("text")

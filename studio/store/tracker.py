@@ -1,5 +1,11 @@
 """One run's recording: a :class:`RunTracker` per request turns the engine's events (:mod:`engine.events`)
-into store writes, which its recorder (``studio/store/recorder.py``) queues for its writer thread."""
+into store writes, which its recorder (``studio/store/recorder.py``) queues for its writer thread.
+
+A run that speaks also gets its audio figures (docs/speech.md "Runs, files and the CLI"): TTFP, from the
+tracker's start (the run recorded, just before the engine takes it) to the first ``AudioDelta`` that
+passed it, or to the finished run when its caller took no stream (the API's whole responses); the audio
+seconds made; and the real-time factor, the seconds from start to finish per second of audio.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,18 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from engine.events import EngineEvent, RunFailed, RunFinished, StageFinished, StageStarted
+from engine.events import (
+    AudioDelta,
+    EngineEvent,
+    RunFailed,
+    RunFinished,
+    RunOutput,
+    StageFinished,
+    StageStarted,
+)
+from studio.media.audio import encode_audio
+from studio.recipes.recipe import audio_recipe
+from studio.store.files import WAV
 from studio.store.records import storable
 from studio.store.store import RunStore
 from studio.store.write_tasks import WriteTask, prepare_output_file
@@ -44,6 +61,8 @@ class RunTracker:
         self._running = False
         self._finished = False
         self._output_errors: list[str] = []  # written and read on the writer thread only
+        self._started = time.monotonic()  # the run is recorded just before the engine takes it
+        self._first_audio: float | None = None  # when the first audio samples passed
 
     @property
     def store(self) -> RunStore:
@@ -63,7 +82,10 @@ class RunTracker:
     def observe(self, event: EngineEvent) -> None:
         """Record what ``event`` means for the run (events other than stage and terminal ones are ignored)."""
         run_id = self.run_id
-        if isinstance(event, StageStarted):
+        if isinstance(event, AudioDelta):
+            if self._first_audio is None and event.samples.size:
+                self._first_audio = time.monotonic()
+        elif isinstance(event, StageStarted):
             with self._lock:
                 if self._running or self._finished:
                     return
@@ -93,7 +115,7 @@ class RunTracker:
             )
         elif isinstance(event, RunFinished):
             if self._claim_finish():
-                self._record_finished(event, time.time())
+                self._record_finished(event, time.time(), time.monotonic())
         elif isinstance(event, RunFailed):
             self.fail(event.message, cancelled=event.cancelled)
 
@@ -113,11 +135,26 @@ class RunTracker:
         )
         return True
 
-    def _record_finished(self, event: RunFinished, at: float) -> None:
+    def _record_finished(self, event: RunFinished, at: float, now: float) -> None:
         run_id = self.run_id
         texts: list[str] = []
-        image_index = 0
+        image_index = audio_index = 0
+        audio_seconds: float | None = None
         for output in event.outputs:
+            if output.audio is not None:
+                audio_seconds = audio_seconds or 0.0
+                if output.audio.size and output.sample_rate:  # a silent reply makes no samples, no file
+                    seconds = output.audio.size / output.sample_rate
+                    self._submit_output(
+                        audio_index,
+                        _wav_encoder(output),
+                        WAV,
+                        None,
+                        None,
+                        {"duration_seconds": seconds, "sample_rate": output.sample_rate},
+                    )
+                    audio_index += 1
+                    audio_seconds += seconds
             if output.text is not None:
                 # The file holds what the run's text column holds: unstorable characters escaped.
                 self._submit_output(len(texts), storable(output.text).encode(), TEXT_MIME, None, None)
@@ -136,16 +173,36 @@ class RunTracker:
             # The request succeeded for its caller even if a file could not be kept; say so in the error.
             task.args["error"] = "; ".join(self._output_errors) or None
 
+        finish: dict[str, Any] = {
+            "run_id": run_id,
+            "status": "succeeded",
+            "text": text,
+            "usage": usage,
+            "at": at,
+        }
+        if audio_seconds is not None:
+            finish["audio"] = self._audio_figures(audio_seconds, now)
         self.recorder.submit_write(
-            f"finish run {run_id} as succeeded",
-            "finish_run",
-            run_id,
-            {"run_id": run_id, "status": "succeeded", "text": text, "usage": usage, "at": at},
-            note_output_errors,
+            f"finish run {run_id} as succeeded", "finish_run", run_id, finish, note_output_errors
         )
 
+    def _audio_figures(self, audio_seconds: float, now: float) -> dict[str, float | None]:
+        """TTFP, audio seconds and real-time factor of a run that spoke (see the module's docstring)."""
+        first = self._first_audio if self._first_audio is not None else now
+        return {
+            "ttfp_seconds": first - self._started if audio_seconds else None,
+            "audio_seconds": audio_seconds,
+            "realtime_factor": (now - self._started) / audio_seconds if audio_seconds else None,
+        }
+
     def _submit_output(
-        self, index: int, content: Any, mime: str, width: int | None, height: int | None
+        self,
+        index: int,
+        content: Any,
+        mime: str,
+        width: int | None,
+        height: int | None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         run_id = self.run_id
 
@@ -158,7 +215,26 @@ class RunTracker:
             f"store output {index} ({kind}) of run {run_id}",
             "add_output_file",
             run_id,
-            {"run_id": run_id, "index": index, "mime": mime, "width": width, "height": height},
+            {
+                "run_id": run_id,
+                "index": index,
+                "mime": mime,
+                "width": width,
+                "height": height,
+                **(extra or {}),
+            },
             prepare_output_file(self.store, content),
             failed,
         )
+
+
+def _wav_encoder(output: RunOutput) -> Callable[[], bytes]:
+    """The stored file of a spoken output: WAV with the run's recipe (docs/speech.md), encoded when called
+    (on the writer thread); the same bytes ``omni-studio run --out x.wav`` writes."""
+    samples, rate, recipe = output.audio, output.sample_rate, audio_recipe(output)
+    assert samples is not None  # only spoken outputs are stored as audio
+
+    def encode() -> bytes:
+        return encode_audio(samples, rate, "wav", recipe)
+
+    return encode

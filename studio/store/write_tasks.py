@@ -43,11 +43,17 @@ class WriteTask:
 
 
 def prepare_output_file(store: RunStore, content: Any) -> Callable[[WriteTask], None]:
-    """A task's ``prepare`` for an output: encode it (PNG for an image, on the writer thread) and put the
-    file in the content-addressed tree, which needs no database; the task then records its sha256."""
+    """A task's ``prepare`` for an output: encode it on the writer thread (PNG for an image; a function
+    that returns the bytes, such as an audio output's WAV encoding, is called) and put the file in the
+    content-addressed tree, which needs no database; the task then records its sha256."""
 
     def prepare(task: WriteTask) -> None:
-        data = content if isinstance(content, bytes) else png_bytes(content)
+        if isinstance(content, bytes):
+            data = content
+        elif callable(content):
+            data = content()
+        else:
+            data = png_bytes(content)
         sha256, _path = store.write_file(data, task.args["mime"])
         task.args.update(sha256=sha256, size_bytes=len(data))
         task.extra["data"] = data

@@ -153,17 +153,22 @@ class RunWrites(RunQueries):
         width: int | None = None,
         height: int | None = None,
         kind: str | None = None,
+        duration_seconds: float | None = None,
+        sample_rate: int | None = None,
     ) -> str:
         """Store a run's output file (once per content hash) and its row; returns the sha256.
 
-        ``kind`` defaults from ``mime`` (image/* -> image, text/* -> text); ``source`` records the input
-        image of an image-to-image run. ``index`` counts within the kind.
+        ``kind`` defaults from ``mime`` (image/* -> image, text/* -> text, audio/* -> audio); ``source``
+        records the input image of an image-to-image run. ``index`` counts within the kind. An audio
+        output records its length and rate (``duration_seconds``, ``sample_rate``).
         """
         kind = kind or _kind_for_mime(mime)
         if kind not in OUTPUT_KINDS:
             raise ValueError(f"kind must be one of {', '.join(OUTPUT_KINDS)}, got {kind!r}")
         sha256, _path = self.write_file(data, mime)
-        return self.add_output_file(run_id, index, sha256, mime, width, height, kind, len(data), data)
+        return self.add_output_file(
+            run_id, index, sha256, mime, width, height, kind, len(data), data, duration_seconds, sample_rate
+        )
 
     def add_output_file(
         self,
@@ -176,6 +181,8 @@ class RunWrites(RunQueries):
         kind: str | None = None,
         size_bytes: int = 0,
         data: bytes | None = None,
+        duration_seconds: float | None = None,
+        sample_rate: int | None = None,
     ) -> str:
         """Record an output whose file is already in the tree (:meth:`write_file`); returns its sha256.
 
@@ -194,6 +201,8 @@ class RunWrites(RunQueries):
             "width": width,
             "height": height,
             "size_bytes": size_bytes,
+            "duration_seconds": None if duration_seconds is None else float(duration_seconds),
+            "sample_rate": None if sample_rate is None else int(sample_rate),
         }
         with self._write() as connection:
             connection.execute(_outputs.insert(), row)
@@ -209,11 +218,13 @@ class RunWrites(RunQueries):
         text: str | None = None,
         usage: Mapping[str, int] | None = None,
         at: datetime | float | None = None,
+        audio: Mapping[str, float | None] | None = None,
     ) -> bool:
         """Record a run's outcome. The first outcome wins: False when the run had already finished.
 
-        ``usage`` holds ``input_tokens`` and ``output_tokens``. A run marked interrupted by mistake (its
-        owner looked dead) still takes the real outcome.
+        ``usage`` holds ``input_tokens`` and ``output_tokens``; ``audio`` (runs that speak) holds
+        ``ttfp_seconds``, ``audio_seconds`` and ``realtime_factor`` (docs/run-store.md). A run marked
+        interrupted by mistake (its owner looked dead) still takes the real outcome.
         """
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"a run finishes as one of {', '.join(TERMINAL_STATUSES)}, not {status!r}")
@@ -226,6 +237,9 @@ class RunWrites(RunQueries):
             "p_text": text,
             "p_in": usage.get("input_tokens"),
             "p_out": usage.get("output_tokens"),
+            "p_ttfp": (audio or {}).get("ttfp_seconds"),
+            "p_audio": (audio or {}).get("audio_seconds"),
+            "p_rtf": (audio or {}).get("realtime_factor"),
         }
         with self._write() as connection:
             return bool(connection.execute(_FINISH, params).rowcount)
