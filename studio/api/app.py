@@ -32,6 +32,7 @@ from studio.api.protocol import (
     ModelCard,
     ModelList,
 )
+from studio.api.protocol_audio import SpeechRequest
 from studio.api.refusals import RefusalThrottle
 from studio.api.serving_jobs import StudioServingJobs, job_route_docs
 from studio.api.state import ServingState
@@ -44,7 +45,7 @@ EDIT_INT_FIELDS = ("n", "seed", "num_inference_steps", "height", "width")
 EDIT_FLOAT_FIELDS = ("guidance_scale",)
 # Refusals of generation requests are recorded as failed runs: nothing a client sent is lost. (401s are
 # not: recording unauthenticated traffic would let anyone fill the history.)
-RECORDED_ENDPOINTS = ("chat_completions", "images_generations", "images_edits")
+RECORDED_ENDPOINTS = ("chat_completions", "images_generations", "images_edits", "audio_speech")
 RECORDED_STATUSES = (400, 404, 413, 422, 429, 500, 503)
 
 
@@ -270,6 +271,12 @@ async def _images_edits(request: Request, state: ServingState) -> Response:
     )
 
 
+async def _audio_speech(request: Request, state: ServingState) -> Response:
+    handlers = state.require_handlers()
+    payload = await read_json(request, state.options.limits)
+    return await handlers.speech.create(parse(SpeechRequest, payload), payload, request)
+
+
 async def _outputs(request: Request, state: ServingState) -> Response:
     name = request.path_params["name"]
     if state.options.api_key:
@@ -359,6 +366,7 @@ API_ROUTES: list[tuple[str, str, str, Endpoint, bool]] = [
     ("POST", "/v1/chat/completions", "chat_completions", _chat, True),
     ("POST", "/v1/images/generations", "images_generations", _images_generations, True),
     ("POST", "/v1/images/edits", "images_edits", _images_edits, True),
+    ("POST", "/v1/audio/speech", "audio_speech", _audio_speech, True),  # docs/speech.md, "The API"
     ("GET", "/v1/outputs/{name}", "outputs", _outputs, False),  # the key or a signed URL: see _outputs
     ("POST", "/v1/studio/jobs", "jobs_create", _jobs_create, True),  # batch jobs: docs/jobs.md
     ("GET", "/v1/studio/jobs", "jobs_list", _jobs_list, True),
@@ -382,7 +390,7 @@ ERROR_DESCRIPTIONS = {
     403: "an unsigned, tampered or expired output URL",
     404: "unknown model or file",
     405: "method not allowed",
-    413: "body or image too large",
+    413: "body, image or input audio too large",
     422: "the upload is not an image",
     429: "queue full, too many requests in flight or too many wrong keys (Retry-After)",
     500: "engine failure (recorded as a failed run)",
@@ -394,6 +402,18 @@ SSE_RESPONSE = {
     "description": "a chat completion, or with `stream: true` `chat.completion.chunk` events ending in "
     "`data: [DONE]`",
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
+}
+SPEECH_RESPONSE = {
+    "description": "the audio in response_format (its content type); with stream_format 'audio' the same "
+    "bytes as they are made (pcm, or wav with an open-ended header); with 'sse' speech.audio.delta events "
+    "then speech.audio.done",
+    "content": {
+        **{
+            content_type: {"schema": {"type": "string", "format": "binary"}}
+            for content_type in ("audio/wav", "audio/mpeg", "audio/flac", "audio/ogg", "audio/pcm")
+        },
+        "text/event-stream": {"schema": {"type": "string"}},
+    },
 }
 ROUTE_DOCS: dict[str, dict[str, Any]] = {
     "health": {"response_model": HealthResponse, "summary": "Liveness: 'ok' once the engine serves"},
@@ -424,6 +444,11 @@ ROUTE_DOCS: dict[str, dict[str, Any]] = {
         "response_model": ImagesResponse,
         "summary": "Image to image (multipart form)",
         "responses": _errors(*GENERATION_ERRORS),
+    },
+    "audio_speech": {
+        "summary": "Text to speech: the audio file, or a stream (stream_format audio or sse)",
+        "response_class": Response,
+        "responses": {200: SPEECH_RESPONSE, **_errors(*GENERATION_ERRORS)},
     },
     "outputs": {
         "summary": "An output file (response_format 'url'); the key or a signed URL when a key is set",

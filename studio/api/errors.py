@@ -70,7 +70,7 @@ def client_path(loc: tuple[Any, ...], data: Any = _MISSING) -> tuple[str, bool]:
             out += ("." if out else "") + str(part)
             node = node[part]
         elif data is _MISSING:  # no data to walk: leave out the branch names pydantic uses here
-            if part in ("TextPart", "ImagePart", "str") or "[" in str(part):
+            if part in ("TextPart", "ImagePart", "InputAudioPart", "VoiceID", "str") or "[" in str(part):
                 tag_last = True
                 continue
             out += ("." if out else "") + str(part)

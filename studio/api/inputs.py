@@ -11,6 +11,7 @@ from PIL import Image, UnidentifiedImageError
 
 from engine import ChatTurn, GenerationParams, GenerationRequest
 from engine.modality import OutputModality
+from studio.api.audio_io import input_audio_clips, voice_name
 from studio.api.errors import APIError
 from studio.api.protocol import SIZE_PATTERN, ChatCompletionRequest
 from studio.startup.limits import InputLimits
@@ -168,11 +169,32 @@ def params_from_fields(fields: dict[str, Any]) -> GenerationParams:
         top_k=fields.get("top_k"),
         n=fields.get("n") or 1,
         preview_every=fields.get("preview_every") or 0,
+        voice=fields.get("voice"),
     )
 
 
+def chat_modalities(request: ChatCompletionRequest) -> tuple[OutputModality, ...] | None:
+    """The modalities a chat request asks for: its ``modalities``; text and audio when it gives only
+    ``audio``; ``None`` (the model's default) when it gives neither. ``audio`` without ``audio`` among the
+    modalities is a 400 naming ``audio``."""
+    if request.modalities:
+        modalities = tuple(OutputModality(m) for m in request.modalities)
+        if request.audio is not None and OutputModality.AUDIO not in modalities:
+            raise APIError(
+                400,
+                f"audio is only read when modalities includes 'audio' (got {request.modalities}); add "
+                "'audio' to modalities or drop audio",
+                "audio",
+            )
+        return modalities
+    if request.audio is not None:
+        return (OutputModality.TEXT, OutputModality.AUDIO)
+    return None
+
+
 def chat_to_engine_request(request: ChatCompletionRequest, limits: InputLimits) -> GenerationRequest:
-    """The newest user message is the prompt (and its image the I2I source); earlier turns are history."""
+    """The newest user message is the prompt (its image the I2I source, its ``input_audio`` parts the
+    audio the model hears); earlier turns are history."""
     if len(request.messages) > limits.max_messages:
         raise APIError(
             400,
@@ -191,7 +213,8 @@ def chat_to_engine_request(request: ChatCompletionRequest, limits: InputLimits) 
     index = len(request.messages) - 1
     image = decode_data_url(images[0], f"messages[{index}].content.image_url", limits) if images else None
     prompt = last.text()
-    if not prompt.strip() and image is None:
+    _, clips = input_audio_clips(request, limits)
+    if not prompt.strip() and image is None and not clips:
         raise APIError(400, "the last user message has no text", "messages")
     history = tuple(
         ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in request.messages[:-1]
@@ -199,7 +222,14 @@ def chat_to_engine_request(request: ChatCompletionRequest, limits: InputLimits) 
     fields = request.generation()
     parse_size(fields.pop("size", None), fields)
     check_generation_limits(fields, limits)
-    modalities = tuple(OutputModality(m) for m in request.modalities) if request.modalities else None
+    if request.audio is not None:
+        fields["voice"] = voice_name(request.audio.voice)
+    extra: dict[str, Any] = {"input_audio": tuple(clips)} if clips else {}
     return GenerationRequest(
-        prompt, params_from_fields(fields), image=image, history=history, modalities=modalities
+        prompt,
+        params_from_fields(fields),
+        image=image,
+        history=history,
+        modalities=chat_modalities(request),
+        **extra,
     )

@@ -25,6 +25,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 
 from studio.api.protocol import ChatCompletionRequest, ImageEditForm, ImageGenerationRequest
+from studio.api.protocol_audio import SpeechRequest
 from studio.jobs.spec import JobSpec
 
 TITLE = "Omni Studio API"
@@ -43,6 +44,7 @@ REQUEST_BODIES: dict[str, tuple[str, type[BaseModel]]] = {
     "chat_completions": ("application/json", ChatCompletionRequest),
     "images_generations": ("application/json", ImageGenerationRequest),
     "images_edits": ("multipart/form-data", ImageEditForm),
+    "audio_speech": ("application/json", SpeechRequest),
     "jobs_create": ("application/json", JobSpec),
 }
 SIGNED_URL_PARAMS = [

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from studio.api.protocol_audio import AssistantAudioRef, AudioOut, ChatAudioParams, InputAudioPart
+
 ImageReply = Literal["content", "images"]
 IMAGE_REPLIES: tuple[str, ...] = ("content", "images")
 SIZE_PATTERN = re.compile(r"^(\d{1,5})x(\d{1,5})$")  # digits bounded: int() of 5000 digits raises
@@ -70,10 +72,11 @@ class ImagePart(StrictRequest):
 
 class ChatMessage(StrictRequest):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart | ImagePart] | None = None
+    content: str | list[TextPart | ImagePart | InputAudioPart] | None = None
     name: str | None = None
     # An earlier assistant reply sent back as it came with ``image_reply: "images"`` (history: not read).
     images: list[ImagePart] | None = None
+    audio: AssistantAudioRef | None = None  # an earlier spoken reply sent back (history: its content is read)
 
     def text(self) -> str:
         if self.content is None:
@@ -86,6 +89,12 @@ class ChatMessage(StrictRequest):
         if not isinstance(self.content, list):
             return []
         return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
+
+    def audio_parts(self) -> list[tuple[int, InputAudioPart]]:
+        """The ``input_audio`` parts with their index in ``content``."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, part) for i, part in enumerate(self.content) if isinstance(part, InputAudioPart)]
 
 
 class StreamOptions(StrictRequest):
@@ -101,6 +110,9 @@ class ChatCompletionRequest(GenerationFields):
     stream_options: StreamOptions | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=32768)
     modalities: list[str] | None = None
+    audio: ChatAudioParams | None = Field(
+        None, description="with modalities ['text', 'audio']: the voice and the format of message.audio.data"
+    )
     user: str | None = None
     image_reply: ImageReply | None = Field(
         None,
@@ -222,6 +234,12 @@ class ModelCard(BaseModel):
     family: str | None = None
     stages: list[dict[str, Any]] = Field(default_factory=list)
     config_hash: str | None = None
+    modalities: list[str] = Field(
+        default_factory=list,
+        description="what the model outputs ('text', 'image', 'audio'): all of them unless a request's "
+        "modalities picks some",
+    )
+    voices: list[str] = Field(default_factory=list, description="the voices it speaks in, the default first")
 
 
 class ModelList(BaseModel):
@@ -268,6 +286,7 @@ class AssistantMessage(BaseModel):
         description="text; with images, a list of parts (image_reply 'content') or the text (image_reply 'images')"
     )
     images: list[ImagePartOut] | None = Field(None, description="the images, with image_reply 'images'")
+    audio: AudioOut | None = Field(None, description="the spoken reply, when audio was asked for")
 
 
 class ChatChoice(BaseModel):

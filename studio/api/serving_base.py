@@ -17,7 +17,7 @@ import asyncio
 import base64
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,10 +59,14 @@ def png_data_url(image: Any) -> str:
 RETRY_AFTER_S = 1
 
 
-def request_error(exc: RequestError, prompt_field: str = "prompt") -> APIError:
+def request_error(
+    exc: RequestError, prompt_field: str = "prompt", fields: Mapping[str, str] | None = None
+) -> APIError:
     """A request the run service refused (``RunService.resolve``) as a 400 naming the client's field
-    (``prompt_field``: what the client calls the prompt; chat: ``messages``)."""
+    (``prompt_field``: what the client calls the prompt; chat: ``messages``; ``fields``: other engine
+    fields the client names otherwise, e.g. ``voice`` -> ``audio.voice``)."""
     field = prompt_field if exc.field in ("prompt", "history") else exc.field
+    field = (fields or {}).get(exc.field, field)
     message = str(exc)
     if field != exc.field:
         message = f"{field}: {exc.message}"
@@ -124,13 +128,17 @@ class OpenAIServing:
     prompt_field = "prompt"  # what the client calls the prompt (chat: ``messages``)
 
     def start_run(
-        self, engine_request: GenerationRequest, payload: dict[str, Any]
+        self,
+        engine_request: GenerationRequest,
+        payload: dict[str, Any],
+        fields: Mapping[str, str] | None = None,
     ) -> tuple[ResolvedRequest, RunTracking]:
-        """Resolve the request (a bad field is a 400 naming it) and record its run as started."""
+        """Resolve the request (a bad field is a 400 naming it, ``fields`` mapping engine field names to
+        the client's) and record its run as started."""
         try:
             resolved = self.runs.resolve(self.engine, engine_request)
         except RequestError as exc:
-            raise request_error(exc, self.prompt_field) from exc
+            raise request_error(exc, self.prompt_field, fields) from exc
         tracker = self.runs.start(
             self.engine, resolved, self.served_model_name, self.system_fingerprint, payload
         )
@@ -194,3 +202,10 @@ def usage_of(result: RunFinished) -> dict[str, int]:
     prompt = max((o.input_tokens for o in result.outputs), default=0)
     completion = sum(o.output_tokens for o in result.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+FINGERPRINT_HEADER = "X-System-Fingerprint"  # replies whose body cannot carry it (audio files, README)
+
+
+def fingerprint_headers(fingerprint: str | None) -> dict[str, str]:
+    return {} if fingerprint is None else {FINGERPRINT_HEADER: fingerprint}

@@ -4,6 +4,11 @@ Streaming rule for ``system_fingerprint`` (README.md, "The API"): exactly one ch
 chunk (the one with ``finish_reason``) when usage is not requested, the trailing usage chunk
 (``choices: []``) when ``stream_options.include_usage`` is true.
 
+Audio (docs/speech.md, "The API"): with ``audio`` among the modalities (or a model whose default includes
+it) an output's audio is ``message.audio`` ``{id, data, expires_at, transcript}`` in ``audio.format``;
+streamed, ``delta.audio`` objects carry base64 pcm16 ``data`` pieces as they are made, the text's deltas
+as ``transcript`` (beside ``delta.content``), and a last one ``expires_at``.
+
 Images come back as ``image_url`` parts of ``message.content`` (a list; in streams ``delta.content``) by
 default, or with ``image_reply: "images"`` (per request, or ``--image-reply images`` for the server) with
 ``content`` a string and the same parts in ``message.images`` / ``delta.images``.
@@ -19,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.events import (
+    AudioDelta,
     DiffusionStep,
     EngineEvent,
     RunFailed,
@@ -28,9 +34,21 @@ from engine.events import (
     TextDelta,
     TokenProgress,
 )
+from engine.modality import OutputModality
+from studio.api.audio_io import (
+    CHAT_FORMATS,
+    b64,
+    check_speaks,
+    check_voice,
+    encode_output,
+    pcm16_b64,
+    produced,
+    voice_name,
+)
 from studio.api.errors import APIError
 from studio.api.inputs import chat_to_engine_request
 from studio.api.protocol import ChatCompletionRequest, completion_id, now
+from studio.api.protocol_audio import STREAMABLE_CHAT_FORMATS
 from studio.api.serving_base import (
     OpenAIServing,
     RunTracking,
@@ -69,6 +87,10 @@ def message(output: RunOutput, image_reply: str) -> dict[str, Any]:
     return {"role": "assistant", "content": message_content(output)}
 
 
+def audio_id(request_id: str, index: int) -> str:
+    return f"audio_{request_id}_{index}"
+
+
 def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -79,8 +101,15 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, payload: dict[str, Any], raw: Request | None):
         self.check_model(request.model)
         engine_request = chat_to_engine_request(request, self.context.limits)
-        resolved, tracker = self.start_run(engine_request, payload)
+        self.check_audio(request, engine_request.modalities)
+        fields = {"voice": "audio.voice"}
+        last = len(request.messages) - 1
+        parts = request.messages[last].audio_parts()
+        if parts:  # the engine's refusal of the audio names the first clip
+            fields["input_audio"] = f"messages[{last}].content[{parts[0][0]}].input_audio"
+        resolved, tracker = self.start_run(engine_request, payload, fields)
         image_reply = request.image_reply or self.context.image_reply
+        audio_format = CHAT_FORMATS[request.audio.format if request.audio is not None else "wav"]
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             # A 429 (recorded) now, not an error chunk after a 200, when the client is at its limit or
@@ -98,19 +127,28 @@ class OpenAIServingChat(OpenAIServing):
                 },
             )
         result = await self.run_to_completion(resolved, tracker, raw)
+        created = now()
+        choices = []
+        for output in result.outputs:
+            reply = message(output, image_reply)
+            if output.audio is not None and output.audio.size:  # a reply with nothing to say has none
+                try:
+                    data = encode_output(output, audio_format, tracker)
+                except APIError as exc:
+                    raise recorded(exc, tracker) from exc
+                reply["audio"] = {
+                    "id": audio_id(resolved.request_id, output.index),
+                    "data": b64(data),
+                    "expires_at": created,  # the server keeps no audio for later turns
+                    "transcript": output.text or "",
+                }
+            choices.append({"index": output.index, "message": reply, "finish_reason": output.finish_reason})
         body: dict[str, Any] = {
             "id": completion_id(),
             "object": "chat.completion",
-            "created": now(),
+            "created": created,
             "model": self.served_model_name,
-            "choices": [
-                {
-                    "index": output.index,
-                    "message": message(output, image_reply),
-                    "finish_reason": output.finish_reason,
-                }
-                for output in result.outputs
-            ],
+            "choices": choices,
             "usage": usage_of(result),
         }
         if self.system_fingerprint is not None:
@@ -118,6 +156,26 @@ class OpenAIServingChat(OpenAIServing):
         if resolved.warnings:
             body["warnings"] = list(resolved.warnings)
         return JSONResponse(body, headers=reply_headers(resolved, tracker))
+
+    def check_audio(
+        self, request: ChatCompletionRequest, modalities: tuple[OutputModality, ...] | None
+    ) -> None:
+        """Audio asked of a model that has no audio stage, an unknown ``audio.voice``, or a stream in a
+        format that cannot be streamed: a 400 naming the field and what is allowed."""
+        speaks = OutputModality.AUDIO in (modalities or produced(self.engine))
+        if request.audio is not None or (modalities and OutputModality.AUDIO in modalities):
+            check_speaks(self.engine, self.served_model_name, "modalities" if request.modalities else "audio")
+        if request.audio is None:
+            return
+        check_voice(self.engine, self.served_model_name, voice_name(request.audio.voice), "audio.voice")
+        if request.stream and speaks and request.audio.format not in STREAMABLE_CHAT_FORMATS:
+            raise APIError(
+                400,
+                f"audio.format {request.audio.format!r} cannot be streamed: with stream true use "
+                f"{' or '.join(STREAMABLE_CHAT_FORMATS)} (the pieces are pcm16 either way), or stream false",
+                "audio.format",
+                "unsupported_value",
+            )
 
     async def stream(
         self,
@@ -142,11 +200,17 @@ class OpenAIServingChat(OpenAIServing):
             return sse(body)
 
         def delta(
-            index: int, content: Any = None, images: list[dict[str, Any]] | None = None, **extra: Any
+            index: int,
+            content: Any = None,
+            images: list[dict[str, Any]] | None = None,
+            audio: dict[str, Any] | None = None,
+            **extra: Any,
         ) -> dict[str, Any]:
             d: dict[str, Any] = {} if content is None else {"content": content}
             if images is not None:
                 d["images"] = images
+            if audio is not None:
+                d["audio"] = audio
             return {"index": index, "delta": d, "finish_reason": None, **extra}
 
         yield chunk(
@@ -160,13 +224,26 @@ class OpenAIServingChat(OpenAIServing):
         events = self.runs.events(
             self.engine, resolved, tracker, stopped="the client disconnected during the stream", client=client
         )
+        speaks = OutputModality.AUDIO in resolved.modalities
         try:
             async for event in events:
+                if speaks and isinstance(event, (TextDelta, AudioDelta)):
+                    ident = {"id": audio_id(resolved.request_id, event.index)}
+                    if isinstance(event, TextDelta):  # the text is what is spoken: its transcript too
+                        yield chunk(
+                            [delta(event.index, event.text, audio={**ident, "transcript": event.text})]
+                        )
+                    elif event.samples.size:
+                        yield chunk([delta(event.index, audio={**ident, "data": pcm16_b64(event.samples)})])
+                    continue
                 piece = self._event_chunk(event, delta, chunk)
                 if piece:
                     yield piece
                 if isinstance(event, RunFinished):
                     for output in event.outputs:
+                        if speaks and output.audio is not None and output.audio.size:
+                            ident = {"id": audio_id(resolved.request_id, output.index)}
+                            yield chunk([delta(output.index, audio={**ident, "expires_at": created})])
                         if output.images:  # text already streamed as deltas
                             parts = image_parts(output)
                             if image_reply == "images":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from studio.api.audio_io import produced, voices
 from studio.api.protocol import ModelCard, ModelList
 from studio.api.serving_base import OpenAIServing
 
@@ -31,4 +32,6 @@ class OpenAIServingModels(OpenAIServing):
                 for s in config.stages
             ],
             config_hash=config.config_hash(),
+            modalities=[m.value for m in produced(self.engine)],
+            voices=list(voices(self.engine)),
         )

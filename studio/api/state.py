@@ -27,6 +27,7 @@ from studio.api.serving_base import ServingContext
 from studio.api.serving_chat import OpenAIServingChat
 from studio.api.serving_images import OpenAIServingImages
 from studio.api.serving_models import OpenAIServingModels
+from studio.api.serving_speech import OpenAIServingSpeech
 from studio.api.signing import DEFAULT_TTL_S, URLSigner, load_secret
 from studio.runs.inflight import RequestBoard
 from studio.runs.service import ClientSlots, Recording, RunService
@@ -56,6 +57,7 @@ class Handlers:
     images: OpenAIServingImages
     models: OpenAIServingModels
     system_fingerprint: str | None
+    speech: OpenAIServingSpeech
 
 
 class ServingState:
@@ -155,6 +157,7 @@ class ServingState:
                 OpenAIServingImages(context),
                 OpenAIServingModels(context),
                 fingerprint,
+                OpenAIServingSpeech(context),
             )
             return self.handlers
 

@@ -28,6 +28,15 @@ class InputLimits:
     max_image_pixels: int = field(
         default=4096 * 4096, metadata={"help": "one source image, decoded (413 past it)"}
     )
+    max_speech_chars: int = field(
+        default=4096, metadata={"help": "characters of the text /v1/audio/speech speaks (input)"}
+    )
+    max_audio_bytes: int = field(
+        default=25 * MiB, metadata={"help": "one input_audio clip, encoded (413 past it)"}
+    )
+    max_audio_seconds: int = field(
+        default=300, metadata={"help": "one input_audio clip, decoded, in seconds (413 past it)"}
+    )
     max_n: int = field(default=8, metadata={"help": "outputs per request (n)"})
     max_steps: int = field(default=1000, metadata={"help": "denoising steps (num_inference_steps)"})
     max_image_side: int = field(default=4096, metadata={"help": "width or height of an output image"})
