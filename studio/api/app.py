@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -37,10 +36,10 @@ from studio.api.refusals import RefusalThrottle
 from studio.api.serving_jobs import StudioServingJobs, job_route_docs
 from studio.api.state import ServingState
 from studio.startup.limits import InputLimits
+from studio.store.files import served_output
 
 log = logging.getLogger("omni_studio.api")
 ModelT = TypeVar("ModelT", bound=BaseModel)
-SHA_FILE = re.compile(r"^([0-9a-f]{64})\.png$")
 EDIT_INT_FIELDS = ("n", "seed", "num_inference_steps", "height", "width")
 EDIT_FLOAT_FIELDS = ("guidance_scale",)
 # Refusals of generation requests are recorded as failed runs: nothing a client sent is lost. (401s are
@@ -295,12 +294,12 @@ async def _outputs(request: Request, state: ServingState) -> Response:
                     None,
                     "invalid_signature",
                 )
-    match = SHA_FILE.match(name)
+    served = served_output(name)  # <sha256>.png, or audio: .wav .flac .mp3 .ogg (studio/store/files.py)
     files = state.files
-    path = files.path(match.group(1)) if match is not None and files is not None else None
-    if path is None or not path.is_file():
+    path = files.path(*served) if served is not None and files is not None else None
+    if served is None or path is None or not path.is_file():
         raise APIError(404, f"No output file named {name!r}", "name", "file_not_found")
-    return FileResponse(path, media_type="image/png")
+    return FileResponse(path, media_type=served[1])
 
 
 def _jobs(state: ServingState) -> StudioServingJobs:
