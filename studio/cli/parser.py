@@ -240,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
             'omni-studio run "a red circle on a blue background, top left" --model tiny-glm-shapes --out x.png',
             'omni-studio run "make it blue" --image x.png --out blue.png --model tiny-glm-shapes',
             'omni-studio run "hello" --model tiny-chat',
+            'omni-studio run "say hello" --model tiny-qwen-omni --out hi.wav --voice Ethan   # speech',
             "omni-studio run --recipe x.png --out again.png   # re-run a PNG's recipe (flags override it)",
         ),
         limits=RUN_LIMITS,
@@ -255,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         default=None,
         metavar="FILE",
-        help="where to write the result (PNG for images, required; text for chat)",
+        help="where to write the result (PNG for images, required; audio for speech, required, its "
+        "extension picks the format: .wav .flac .mp3 .ogg; text for chat)",
     )
     r.add_argument("--seed", type=int, default=None, metavar="N", help="random seed (default: a fresh one)")
     r.add_argument("--height", type=int, default=None, metavar="H", help="image height in pixels")
@@ -267,6 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int, default=None, metavar="N", help="tokens to generate (text models)"
     )
     r.add_argument("--temperature", type=float, default=None, metavar="T", help="sampling temperature (AR)")
+    r.add_argument(
+        "--voice",
+        default=None,
+        metavar="NAME",
+        help="the speaker of a model that speaks (e.g. Chelsie, Ethan)",
+    )
+    r.add_argument(
+        "--modalities",
+        default=None,
+        metavar="M",
+        help="what the run makes: text, image, audio or a combination (text+audio); default: the model's "
+        "(text+audio for a model that speaks; text runs its thinker alone)",
+    )
     r.add_argument(
         "--n", type=int, default=1, metavar="N", help="number of outputs (seeds seed, seed+1, ...)"
     )
