@@ -49,6 +49,9 @@ class SpeechRequest(StrictAudio):
         "speech.audio.delta events (base64 pcm16) then speech.audio.done",
     )
     instructions: str | None = Field(None, description="how to say it: the user turn before the text")
+    num_inference_steps: int | None = Field(
+        None, ge=1, le=1000, description="code2wav's ODE time points (more: slower; --max-steps)"
+    )
 
     model_config = ConfigDict(
         extra="forbid",

@@ -32,7 +32,7 @@ from studio.api.audio_io import (
     voice_name,
 )
 from studio.api.errors import APIError
-from studio.api.inputs import check_text
+from studio.api.inputs import check_generation_limits, check_text
 from studio.api.protocol_audio import STREAMABLE_SPEECH_FORMATS, SpeechRequest
 from studio.api.serving_base import (
     OpenAIServing,
@@ -74,7 +74,7 @@ class OpenAIServingSpeech(OpenAIServing):
             extra["speak_text"] = request.input
         engine_request = GenerationRequest(
             prompt,
-            GenerationParams(seed=request.seed, voice=voice),
+            GenerationParams(seed=request.seed, voice=voice, num_inference_steps=request.num_inference_steps),
             modalities=(OutputModality.AUDIO,),
             **extra,
         )
@@ -122,6 +122,7 @@ class OpenAIServingSpeech(OpenAIServing):
                 "input_too_long",
             )
         check_text(request.instructions, "instructions", limits)
+        check_generation_limits(request.model_dump(include={"num_inference_steps"}), limits)
         if request.speed != 1.0:
             raise APIError(
                 400,
