@@ -201,3 +201,18 @@ def test_the_command_as_typed(tmp_path: Path) -> None:
     assert "stage 2 code2wav" in done.stderr and f"{out} (" in done.stdout
     samples, rate = soundfile.read(out)
     assert rate == RATE and samples.size > 0 and np.abs(samples).max() > 0.01
+
+
+def test_several_variants_write_one_file_each(run, tmp_path: Path) -> None:
+    out = tmp_path / "hi.flac"
+    code, stdout, stderr = run("say hello", "--out", str(out), "--n", "2", "--seed", "3", "--quiet")
+    assert code == 0, stderr
+    first, second = tmp_path / "hi-0.flac", tmp_path / "hi-1.flac"
+    assert [m["path"] for m in LINE.finditer(stdout)] == [str(first), str(second)] and not out.exists()
+    a, rate_a = soundfile.read(first)
+    b, rate_b = soundfile.read(second)
+    assert rate_a == rate_b == RATE and a.size and b.size
+    assert a.size != b.size or not np.array_equal(a, b)  # seeds 3 and 4: two different utterances
+    [recorded] = recorded_runs(run.data_dir)
+    assert [o.index for o in recorded.audio] == [0, 1]
+    assert recorded.audio_seconds == pytest.approx((a.size + b.size) / RATE)

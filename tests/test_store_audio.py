@@ -208,3 +208,16 @@ def test_outputs_route_serves_the_wav(omni, recorder, store, data_dir: Path) -> 
         missing = client.get(f"/v1/outputs/{name}")
         assert missing.status_code == 404, name
         assert missing.json()["error"]["param"] == "name"
+
+
+def test_a_signed_url_serves_the_wav_without_the_key(omni, recorder, store, data_dir: Path) -> None:
+    _, run = speak(omni, recorder, store)
+    name = f"{run.audio[0].sha256}.wav"
+    state = ServingState(None, ServingOptions(api_key="k", data_dir=data_dir))
+    client = TestClient(create_app(state))
+    assert client.get(f"/v1/outputs/{name}").status_code == 403  # a key is set: signed or with the key
+    signed = client.get(f"/v1/outputs/{name}?{state.signer.query(name, 60)}")
+    assert signed.status_code == 200 and signed.headers["content-type"] == "audio/wav"
+    assert signed.content == run.audio[0].path.read_bytes()
+    other = f"{run.audio[0].sha256}.png"  # a signature covers its own name only
+    assert client.get(f"/v1/outputs/{other}?{state.signer.query(name, 60)}").status_code == 403
