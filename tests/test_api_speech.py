@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import io
 import json
 import socket
@@ -149,6 +150,9 @@ def test_speech_create_returns_a_wav_that_carries_its_recipe(client, server):
         run = wait_for(lambda: _finished(store, response.headers["x-run-id"]))
         assert run.fingerprint == response.headers["x-system-fingerprint"]
         assert "hello there" in run.prompt
+        # the run store keeps the very file the client got (the same recipe, so the same bytes)
+        if hasattr(run, "audio"):  # runs record audio outputs (docs/speech.md, "Runs, files and the CLI")
+            assert [o.sha256 for o in run.audio] == [hashlib.sha256(data).hexdigest()]
     finally:
         store.close()
 
