@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from engine.modality import OutputModality
@@ -64,6 +65,12 @@ class GenerationRequest:
     # Who sent it (an API key and address, a UI session...; None: a client of its own). Stage queues
     # serve waiting jobs round-robin across clients (engine/engine.py; README, "Many clients").
     client: str | None = None
+    # Speech (families that speak, docs/speech.md "Speaking given text and audio in"): the words to say,
+    # teacher-forced as the model's reply instead of sampled (``prompt``: the instructions, or "").
+    speak_text: str | None = None
+    # Speech in: float32 mono 16 kHz clips, heard in this order at the start of the newest user turn.
+    # Left out of ==/hash (arrays have neither); limits on length are the caller's.
+    input_audio: tuple[np.ndarray, ...] = field(default=(), compare=False)
 
     def with_params(self, **changes: Any) -> GenerationRequest:
         return replace(self, params=replace(self.params, **changes))
@@ -97,6 +104,28 @@ class ResolvedRequest:
     @property
     def n(self) -> int:
         return self.request.params.n
+
+
+def check_request_types(request: GenerationRequest) -> None:
+    """Refuse speech fields of the wrong type: :class:`RequestError` naming ``speak_text`` or ``input_audio``.
+
+    Only types (and finite samples) are checked here; lengths and sizes are the caller's limits.
+    """
+    if request.speak_text is not None and not isinstance(request.speak_text, str):
+        raise RequestError("speak_text", f"must be a string or None, got {type(request.speak_text).__name__}")
+    clips = request.input_audio
+    if not isinstance(clips, tuple):
+        raise RequestError("input_audio", f"must be a tuple of clips, got {type(clips).__name__}")
+    for i, clip in enumerate(clips):
+        if not isinstance(clip, np.ndarray) or clip.dtype != np.float32 or clip.ndim != 1:
+            got = (
+                f"a {clip.ndim}-D {clip.dtype} array" if isinstance(clip, np.ndarray) else type(clip).__name__
+            )
+            raise RequestError(
+                "input_audio", f"clip {i} must be a 1-D float32 numpy array (mono, 16 kHz), got {got}"
+            )
+        if not np.isfinite(clip).all():
+            raise RequestError("input_audio", f"clip {i} has samples that are NaN or infinite")
 
 
 def random_seed() -> int:

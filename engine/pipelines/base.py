@@ -13,7 +13,13 @@ from PIL import Image
 
 from engine.config import PipelineConfig, ResolvedStage, StageTemplate
 from engine.modality import OutputModality, format_output_modalities
-from engine.request import GenerationRequest, RequestError, ResolvedRequest, random_seed
+from engine.request import (
+    GenerationRequest,
+    RequestError,
+    ResolvedRequest,
+    check_request_types,
+    random_seed,
+)
 from engine.stages.base import StageRunner
 
 AR_REQUEST_KEYS = ("temperature", "top_p", "top_k", "max_tokens")
@@ -36,6 +42,8 @@ class PipelineFamily(ABC):
     description: str = ""
     templates: tuple[StageTemplate, ...] = ()
     accepts_source_image: bool = False
+    accepts_input_audio: bool = False  # GenerationRequest.input_audio (docs/speech.md)
+    accepts_speak_text: bool = False  # GenerationRequest.speak_text (docs/speech.md)
     size_multiple: int = 0  # image sizes must be multiples of this (0: the family makes no images)
 
     @classmethod
@@ -64,6 +72,17 @@ class PipelineFamily(ABC):
             raise RequestError("image", f"{config.model_name} does not take a source image (text input only)")
         if request.image is not None:
             request = replace(request, image=self.prepare_source_image(request.image))
+        check_request_types(request)
+        if request.input_audio and not self.accepts_input_audio:
+            raise RequestError(
+                "input_audio",
+                f"{config.model_name} ({self.name}) does not take audio input; drop input_audio",
+            )
+        if request.speak_text is not None and not self.accepts_speak_text:
+            raise RequestError(
+                "speak_text",
+                f"{config.model_name} ({self.name}) cannot speak given text; choose a model that speaks",
+            )
         if request.params.n < 1 or request.params.n > 8:
             raise RequestError("n", f"must be between 1 and 8, got {request.params.n}")
         if request.params.voice is not None and OutputModality.AUDIO not in produced:

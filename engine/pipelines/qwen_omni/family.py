@@ -13,7 +13,7 @@ from engine.pipelines.base import AR_REQUEST_KEYS, PipelineFamily
 from engine.pipelines.qwen_omni.checkpoint import default_voice, is_omni_folder, voices_of
 from engine.pipelines.qwen_omni.code2wav import Code2WavStage
 from engine.pipelines.qwen_omni.talker import TalkerStage
-from engine.pipelines.qwen_omni.thinker import ThinkerStage
+from engine.pipelines.qwen_omni.thinker import MIN_AUDIO_SAMPLES, ThinkerStage
 from engine.request import GenerationRequest, RequestError
 from engine.stages.backends import select_ar_backend
 from engine.stages.base import StageRunner
@@ -26,6 +26,8 @@ NOT_FOR_SPEECH = ("height", "width", "negative_prompt")  # diffusion fields that
 class QwenOmniFamily(PipelineFamily):
     name = "qwen-omni"
     description = "Qwen2.5-Omni: thinker (text) -> talker (codec ids) -> code2wav (24 kHz speech)"
+    accepts_input_audio = True  # clips in the newest user turn, heard by the thinker's audio encoder
+    accepts_speak_text = True  # the thinker's reply teacher-forced (docs/speech.md)
     templates = (
         StageTemplate(
             stage_id=THINKER,
@@ -103,6 +105,17 @@ class QwenOmniFamily(PipelineFamily):
         if not 1 <= int(thinker["max_tokens"]) <= 32768:
             raise RequestError("max_tokens", f"must be from 1 to 32768, got {thinker['max_tokens']}")
         thinker["speak"] = OutputModality.AUDIO in wanted
+        if request.speak_text is not None:
+            thinker["speak_text"] = request.speak_text
+        for i, clip in enumerate(request.input_audio):
+            if clip.size < MIN_AUDIO_SAMPLES:
+                raise RequestError(
+                    "input_audio",
+                    f"clip {i} has {clip.size} samples; the audio encoder needs at least {MIN_AUDIO_SAMPLES} "
+                    "(20 ms at 16 kHz)",
+                )
+        if request.input_audio:
+            thinker["input_audio"] = request.input_audio
         # A request's sampling fields are the thinker's (its text); the talker keeps its deploy config's.
         if TALKER in stage_params:
             talker = stage_params[TALKER]
@@ -125,8 +138,11 @@ class QwenOmniFamily(PipelineFamily):
         stage_params: dict[int, dict[str, Any]],
         modalities: tuple[OutputModality, ...],
     ) -> dict[str, Any]:
-        """The recorded parameters: the thinker's and code2wav's (the talker's are the deploy config's)."""
+        """The recorded parameters: the thinker's and code2wav's (the talker's are the deploy config's);
+        ``speak_text`` when given, and of ``input_audio`` only how many clips (``input_audio_clips``)."""
         shown = {sid: params for sid, params in stage_params.items() if sid != TALKER}
         flat = super().flat_parameters(request, seed, shown, modalities)
         flat.pop("speak", None)
+        if flat.pop("input_audio", None) is not None:
+            flat["input_audio_clips"] = len(request.input_audio)
         return flat
