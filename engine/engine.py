@@ -15,14 +15,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from engine.building import build_pipeline_config, device_problems, resolve_device
+from engine.building import build_pipeline_config, device_problems
 from engine.client_load import ClientLoad
 from engine.config import (
     ConfigProblem,
@@ -31,25 +29,27 @@ from engine.config import (
     PipelineConfig,
     ResolvedStage,
 )
+from engine.context_check import check_context
 from engine.events import (
     STREAMING_EVENTS,
     TERMINAL_EVENTS,
     EngineEvent,
     ErrorType,
-    FinishReason,
     RunFailed,
     RunFinished,
-    RunOutput,
     StageFinished,
     StageStarted,
     StageStatus,
 )
-from engine.modality import OutputAccumulator, OutputModality, parse_output_modalities
+from engine.modality import OutputAccumulator, parse_output_modalities
 from engine.models import ModelCard, ModelSource, describe_model, materialize, model_card
 from engine.paths import default_data_dir, model_cache_dir
 from engine.processors import INPUT_PROCESSORS
 from engine.request import GenerationRequest, RequestError, ResolvedRequest
+from engine.run_output import run_output
+from engine.runner_factory import runner_factory
 from engine.stages.base import StageJob, StageRunner
+from engine.streaming import CHUNK_FEED_KEY, PUBLISH_KEY, ChunkFeed, chunking_problems
 from engine.workers import EventSink, RequestHandle, StageWorker, Ticket, Variant
 
 log = logging.getLogger("omni_studio.engine")
@@ -91,6 +91,13 @@ class OmniEngine:
         self._closed = False
         self._modalities = {s.stage_id: parse_output_modalities(s.engine_output_type) for s in config.stages}
         self.workers = {sid: StageWorker(runner, self) for sid, runner in runners.items()}
+        # Per source stage, the stages that consume it in chunks while it generates (engine/streaming.py).
+        self._chunked_consumers = {
+            s.stage_id: tuple(
+                d for d in config.stages if s.stage_id in d.input_sources and d.engine_args.chunk_size
+            )
+            for s in config.stages
+        }
         self.started_at = time.time()
         self.ray_address: str | None = None  # the Ray cluster the stages run on (None: this process)
 
@@ -124,17 +131,22 @@ class OmniEngine:
         runners: dict[int, StageRunner] = {}
         stage = config.stages[0]
         try:
-            create = _runner_factory(config, model, ray_address, model_cache)
+            create = runner_factory(config, model, ray_address, model_cache)
             for stage in config.stages:
                 # Output names are parsed here too (not only in validation): a config built in code
                 # bypasses the loader, and an invalid name must fail before any request is accepted.
                 parse_output_modalities(stage.engine_output_type)
                 runners[stage.stage_id] = create(stage)
+            problems = chunking_problems(config, runners)
+            if problems:
+                raise DeployConfigError(problems)
             for stage in config.stages:
                 runners[stage.stage_id].load()
         except Exception as exc:
             for runner in runners.values():
                 runner.close()
+            if isinstance(exc, DeployConfigError):
+                raise
             raise EngineBuildError(f"stage {stage.stage_id} ({stage.kind}) failed to start: {exc}") from exc
         engine = cls(config, model, runners, max_pending=max_pending)
         engine.ray_address = ray_address
@@ -197,29 +209,9 @@ class OmniEngine:
         return positions
 
     def check_context(self, resolved: ResolvedRequest) -> None:
-        """Refuse a prompt longer than an entry AR stage's context (``max_model_len`` or the model's
-        positions) before it is queued: :class:`RequestError` naming ``prompt``.
-
-        The count covers the prompt and message texts only (a chat template adds a few tokens, which the
-        stage still checks); it tokenizes only text with more UTF-8 bytes than the context has positions.
-        """
-        request = resolved.request
-        texts = [request.prompt or ""] + [turn.text for turn in request.messages or ()]
-        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
-        for stage in self.config.entry_stages:
-            if stage.kind != "ar":
-                continue
-            runner = self.runners[stage.stage_id]
-            limit = _context_length(runner, stage)
-            if not limit or size <= limit:  # a token covers at least one byte
-                continue
-            count = _count_tokens(runner, texts)
-            if count is not None and count > limit:
-                raise RequestError(
-                    "prompt",
-                    f"is {count} tokens; the model's context is {limit} tokens "
-                    f"(stage {stage.stage_id} max_model_len)",
-                )
+        """Refuse a prompt longer than an entry AR stage's context before it is queued:
+        :class:`RequestError` naming ``prompt`` (engine/context_check.py)."""
+        check_context(self.config, self.runners, resolved)
 
     def submit(self, resolved: ResolvedRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; its events go to ``sink`` (called from engine threads)."""
@@ -247,7 +239,7 @@ class OmniEngine:
             handle = self._handles.get(request_id)
             if handle is None:
                 return False
-            handle.cancel()
+            self._stop(handle)
             dropped: list[Ticket] = []
             for worker in self.workers.values():
                 with worker.cond:
@@ -317,7 +309,19 @@ class OmniEngine:
         params["seed"] = variant.seed
         return params
 
-    def _enqueue(self, handle: RequestHandle, variant: Variant, stage: ResolvedStage) -> None:
+    def _hand_off(
+        self, stage: ResolvedStage, upstream: Mapping[str, Any], params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The stage's inputs from its sources' outputs: through its input processor, if it has one."""
+        if stage.input_processor:
+            return INPUT_PROCESSORS[stage.input_processor](upstream, params)
+        return dict(upstream)
+
+    def _enqueue(
+        self, handle: RequestHandle, variant: Variant, stage: ResolvedStage, feed: ChunkFeed | None = None
+    ) -> None:
+        """Queue the variant's job at ``stage``: its inputs from its sources' outputs, or, for a stage that
+        consumes its source in chunks, the ``feed`` those outputs arrive through (engine/streaming.py)."""
         request = handle.resolved.request
         params = self._stage_params(handle, variant, stage)
         inputs: dict[str, Any] = {
@@ -325,14 +329,13 @@ class OmniEngine:
             "messages": request.messages,
             "image": request.image,
         }
-        if stage.input_sources:
+        if feed is not None:
+            inputs[CHUNK_FEED_KEY] = feed
+        elif stage.input_sources:
             upstream: dict[str, Any] = {}
             for source in stage.input_sources:
                 upstream.update(variant.outputs[source])
-            if stage.input_processor:
-                inputs.update(INPUT_PROCESSORS[stage.input_processor](upstream, params))
-            else:
-                inputs.update(upstream)
+            inputs.update(self._hand_off(stage, upstream, params))
         job = StageJob(
             request_id=handle.request_id,
             index=variant.index,
@@ -343,16 +346,62 @@ class OmniEngine:
             cancel_event=handle.cancel_event,
             client=handle.client,
         )
+        consumers = [d for d in self._chunked_consumers[stage.stage_id] if d.stage_id in handle.stages]
+        if consumers:  # its runner hands its outputs so far to them as it generates
+            job.scratch[PUBLISH_KEY] = functools.partial(self._publish, handle, variant, tuple(consumers))
         variant.jobs[stage.stage_id] = job
         self.workers[stage.stage_id].submit(Ticket(job, handle, variant, stage, time.time()))
 
+    def _publish(
+        self,
+        handle: RequestHandle,
+        variant: Variant,
+        consumers: tuple[ResolvedStage, ...],
+        outputs: Mapping[str, Any],
+    ) -> None:
+        """A source's outputs so far (on its runner's thread, after each token): hand them to the stages
+        that consume it in chunks, queueing each one's job at the first publication."""
+        for stage in consumers:
+            try:
+                inputs = self._hand_off(stage, outputs, self._stage_params(handle, variant, stage))
+            except Exception:  # a partial output the hand-off cannot take: the final hand-off reports it
+                continue
+            self._feed(handle, variant, stage, inputs, final=False)
+
+    def _feed(
+        self,
+        handle: RequestHandle,
+        variant: Variant,
+        stage: ResolvedStage,
+        inputs: dict[str, Any],
+        final: bool,
+    ) -> None:
+        with self._lock:
+            if handle.terminal is not None or handle.cancel_event.is_set():
+                return
+            feed = variant.feeds.get(stage.stage_id)
+            if feed is None:
+                feed = variant.feeds[stage.stage_id] = ChunkFeed()
+                feed.publish(inputs, final=final)
+                self._enqueue(handle, variant, stage, feed=feed)
+                return
+        feed.publish(inputs, final=final)
+
+    def _stop(self, handle: RequestHandle) -> None:
+        """Cancel the request's running jobs and wake the stages waiting on its chunk feeds."""
+        handle.cancel()
+        for variant in handle.variants:
+            for feed in variant.feeds.values():
+                feed.close()
+
     def _job_started(self, ticket: Ticket, started: float) -> None:
         stage, job = ticket.stage, ticket.job
-        total = (
-            int(job.params.get("max_tokens") or 0)
-            if stage.kind == "ar"
-            else int(job.params.get("num_inference_steps") or 0)
-        )
+        if stage.kind == "ar":
+            total = int(job.params.get("max_tokens") or 0)
+        elif stage.engine_args.chunk_size:
+            total = 0  # its chunks are counted as its source generates
+        else:
+            total = int(job.params.get("num_inference_steps") or 0)
         job.scratch["queue_seconds"] = started - ticket.enqueued_at
         job.emit(StageStarted(job.request_id, job.index, stage.stage_id, kind=stage.kind, total=total))
 
@@ -399,7 +448,7 @@ class OmniEngine:
                 )
                 return
             if status == StageStatus.FAILED:
-                handle.cancel()  # stop the request's other variants
+                self._stop(handle)  # stop the request's other variants
                 message = f"stage {stage.stage_id} ({stage.kind}) failed: {type(error).__name__}: {error}"
                 error_type = (
                     ErrorType.INVALID_REQUEST if isinstance(error, RequestError) else ErrorType.ENGINE_ERROR
@@ -411,48 +460,28 @@ class OmniEngine:
             variant.outputs[stage.stage_id] = job.deliver_outputs()
             try:
                 for downstream in [s for s in self.config.stages if s.stage_id in handle.stages]:
-                    if stage.stage_id in downstream.input_sources and all(
+                    if stage.stage_id not in downstream.input_sources or not all(
                         src in variant.outputs for src in downstream.input_sources
                     ):
+                        continue
+                    if downstream.engine_args.chunk_size:  # the source's final outputs, through its feed
+                        params = self._stage_params(handle, variant, downstream)
+                        inputs = self._hand_off(downstream, variant.outputs[stage.stage_id], params)
+                        self._feed(handle, variant, downstream, inputs, final=True)
+                    else:
                         self._enqueue(handle, variant, downstream)
             except Exception as exc:  # an input processor rejected the hand-off
-                handle.cancel()
+                self._stop(handle)
                 message = f"stage {stage.stage_id} -> next stage hand-off failed: {type(exc).__name__}: {exc}"
                 self._finish(handle, RunFailed(handle.request_id, variant.index, message, stage.stage_id))
                 return
             if all(sid in variant.outputs for sid in handle.stages):
                 variant.done = True
             if all(v.done for v in handle.variants):
-                outputs = tuple(self._run_output(handle, v) for v in handle.variants)
+                outputs = tuple(
+                    run_output(self.config, handle.resolved.modalities, v) for v in handle.variants
+                )
                 self._finish(handle, RunFinished(handle.request_id, 0, outputs))
-
-    def _run_output(self, handle: RequestHandle, variant: Variant) -> RunOutput:
-        wanted = handle.resolved.modalities
-        merged: dict[str, Any] = {}
-        for stage in self.config.final_stages:
-            merged.update(variant.outputs.get(stage.stage_id, {}))
-        text = merged.get("text") if OutputModality.TEXT in wanted else None
-        images = tuple(merged.get("image") or ()) if OutputModality.IMAGE in wanted else ()
-        token_ids = None
-        if OutputModality.TOKEN_IDS in wanted and merged.get("token_ids") is not None:
-            token_ids = tuple(int(i) for i in torch.as_tensor(merged["token_ids"]).reshape(-1).tolist())
-        jobs = variant.jobs.values()
-        last_ar = [j for sid, j in variant.jobs.items() if self.config.stage(sid).final_output]
-        finish_reason = FinishReason(last_ar[-1].finish_reason) if last_ar else FinishReason.STOP
-        return RunOutput(
-            index=variant.index,
-            seed=variant.seed,
-            text=text,
-            images=images,
-            token_ids=token_ids,
-            audio=merged["audio"].reshape(-1).numpy()
-            if OutputModality.AUDIO in wanted and "audio" in merged
-            else None,
-            sample_rate=int(merged.get("sample_rate") or 0),
-            finish_reason=finish_reason,
-            input_tokens=sum(j.input_tokens for j in jobs),
-            output_tokens=sum(j.output_tokens for j in jobs),
-        )
 
     def _finish(self, handle: RequestHandle, event: EngineEvent) -> None:
         handle.terminal = event
@@ -470,7 +499,7 @@ class OmniEngine:
             self._closed = True
             handles = list(self._handles.values())
         for handle in handles:
-            handle.cancel()
+            self._stop(handle)
         for worker in self.workers.values():
             worker.stop()
         for worker in self.workers.values():
@@ -502,64 +531,6 @@ class OmniEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _runner_factory(
-    config: PipelineConfig, model: ModelSource, ray_address: str | None, model_cache: Path | None
-) -> Callable[[ResolvedStage], StageRunner]:
-    """How this engine makes its stage runners: in this process, or as Ray actors (docs/distributed.md)."""
-    path = model.path
-    assert path is not None
-    if not ray_address:
-        placed = [s.stage_id for s in config.stages if s.engine_args.num_replicas or s.engine_args.resources]
-        if placed:
-            log.warning(
-                "stage(s) %s set num_replicas/resources, which apply on a Ray cluster (--ray-address); "
-                "embedded mode runs one copy of each stage",
-                ", ".join(map(str, placed)),
-            )
-
-        def create(stage: ResolvedStage) -> StageRunner:
-            device = resolve_device(stage.engine_args.placement)
-            if stage.engine_args.own_process:
-                from engine.distributed.process_stage import ProcessStageRunner
-
-                return ProcessStageRunner(stage, model, device)
-            return model.family.create_runner(stage, path, device)
-
-        return create
-    try:
-        # Ray is an optional extra: imported only when a Ray address is given.
-        from engine.distributed.ray_stage import RayPlacement
-    except ImportError as exc:
-        raise EngineBuildError(f"--ray-address needs Ray: pip install 'omni-studio[ray]' ({exc})") from exc
-    placement = RayPlacement(ray_address, config.ray, model_cache or model_cache_dir(default_data_dir()))
-    return lambda stage: placement.runner(stage, model)
-
-
-def _context_length(runner: StageRunner, stage: ResolvedStage) -> int | None:
-    """The AR stage's context: ``max_model_len`` (config or vLLM's), else the model's positions."""
-    limit = stage.engine_args.max_model_len or getattr(runner, "max_model_len", None)
-    if limit:
-        return int(limit)
-    config = getattr(getattr(runner, "model", None), "config", None)
-    for candidate in (config, getattr(config, "text_config", None)):
-        positions = getattr(candidate, "max_position_embeddings", None)
-        if isinstance(positions, int) and positions > 0:
-            return positions
-    return None
-
-
-def _count_tokens(runner: StageRunner, texts: list[str]) -> int | None:
-    """Tokens of ``texts`` under the runner's tokenizer; ``None`` when it has none (the stage checks)."""
-    processor = getattr(runner, "processor", None)
-    tokenizer = getattr(runner, "tokenizer", None) or getattr(processor, "tokenizer", None)
-    if tokenizer is None:
-        return None
-    try:
-        return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
-    except Exception:  # a tokenizer that refuses the text: the stage reports it
-        return None
 
 
 def build_engine(

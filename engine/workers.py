@@ -26,6 +26,7 @@ from engine.events import (
 )
 from engine.request import ResolvedRequest
 from engine.stages.base import StageJob, StageRunner, run_batch
+from engine.streaming import ChunkFeed
 
 EventSink = Callable[[EngineEvent], None]
 
@@ -43,6 +44,8 @@ class Variant:
     seed: int
     outputs: dict[int, dict[str, Any]] = field(default_factory=dict)
     jobs: dict[int, StageJob] = field(default_factory=dict)
+    # Per stage that consumes its source in chunks: the feed its job reads (engine/streaming.py).
+    feeds: dict[int, ChunkFeed] = field(default_factory=dict)
     done: bool = False
 
 

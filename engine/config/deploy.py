@@ -22,6 +22,9 @@ ExecutorBackend = Literal["ray", "mp", "uni"]
 # Ray's built-in resources: a stage asks for GPUs with ``devices``, never through ``resources``.
 RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
+# The largest ``chunk_size`` (upstream tokens per chunk) a stage may consume its input in.
+CHUNK_SIZE_MAX = 4096
+
 DEVICES_PATTERN = re.compile(r"^(auto|cpu|\d+(,\d+)*)$")
 
 
@@ -121,6 +124,10 @@ class StageConfig(StrictModel):
 
     # Run the stage's model in a process of its own (embedded mode; docs/batching.md).
     own_process: bool | None = None
+
+    # Consume the upstream AR stage's output in chunks of this many of its tokens as it is generated
+    # (Qwen2.5-Omni's code2wav renders codec ids while the talker speaks; docs/speech.md, "Streaming").
+    chunk_size: int | None = Field(None, ge=1, le=CHUNK_SIZE_MAX)
 
     # Placement on a Ray cluster (``--ray-address``; docs/distributed.md). Embedded mode runs one copy.
     num_replicas: int | None = Field(None, ge=1, le=64)

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.config.deploy import (
+    CHUNK_SIZE_MAX,
     ENGINE_ARG_KEYS,
     SAMPLING_PARAMS_BY_KIND,
     TOPOLOGY_KEYS,
@@ -91,6 +92,9 @@ class StageEngineArgs:
     dtype: str | None = "auto"
     distributed_executor_backend: str | None = None  # vLLM's executor (AR stages); None: vLLM's choice
     own_process: bool | None = None  # the model runs in a child process (embedded mode; docs/batching.md)
+    # Upstream tokens per chunk when the stage consumes its AR source while it generates (None: once it
+    # has finished); docs/speech.md, "Streaming".
+    chunk_size: int | None = None
     num_replicas: int | None = None  # Ray actors for the stage (docs/distributed.md); None: one
     resources: dict[str, float] | None = None  # custom Ray resources each actor asks for
 
@@ -136,7 +140,7 @@ class StageEngineArgs:
 
 
 # Engine args left out of the config dict when unset (see StageEngineArgs.to_dict).
-OPTIONAL_ENGINE_ARGS = ("distributed_executor_backend",)
+OPTIONAL_ENGINE_ARGS = ("distributed_executor_backend", "chunk_size")
 # Where a stage runs and how many copies: never in the config dict (see StageEngineArgs.to_dict).
 PLACEMENT_ENGINE_ARGS = ("own_process", "num_replicas", "resources")
 
@@ -489,6 +493,28 @@ def _check_graph(stages: list[ResolvedStage], problems: list[ConfigProblem]) -> 
             break
 
 
+def _check_chunking(stages: list[ResolvedStage], problems: list[ConfigProblem]) -> None:
+    """``chunk_size``: a stage reads its one source in chunks while it generates, so that source must be
+    an AR stage (partial outputs are the tokens generated so far)."""
+    kinds = {s.stage_id: s.kind for s in stages}
+    for stage in stages:
+        size = stage.engine_args.chunk_size
+        if size is None:
+            continue
+        sources = stage.input_sources
+        if len(sources) != 1 or kinds.get(sources[0]) != StageKind.AR:
+            described = ", ".join(f"{sid} ({kinds.get(sid, '?')})" for sid in sources) or "none"
+            problems.append(
+                ConfigProblem(
+                    stage.stage_id,
+                    "chunk_size",
+                    f"a stage consumes its input in chunks only from one AR stage; its input_sources are "
+                    f"{described}; allowed: an integer from 1 to {CHUNK_SIZE_MAX} on a stage fed by one "
+                    "AR stage, or null (whole input once the source has finished)",
+                )
+            )
+
+
 def resolve_pipeline_config(
     deploy: DeployConfig | None,
     family: str,
@@ -525,6 +551,7 @@ def resolve_pipeline_config(
     if not resolved and not problems:
         problems.append(ConfigProblem(None, "stages", "no stages"))
     _check_graph(resolved, problems)
+    _check_chunking(resolved, problems)
     if problems:
         raise DeployConfigError(problems, source)
     return PipelineConfig(

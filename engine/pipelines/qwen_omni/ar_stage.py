@@ -24,6 +24,7 @@ from engine.stages.ar_transformers import (
     sampling_kwargs,
 )
 from engine.stages.base import StageCancelled, StageJob, intra_op_threads_for
+from engine.streaming import publish_partial
 
 
 class OmniARStage(TransformersARStage):
@@ -46,6 +47,12 @@ class OmniARStage(TransformersARStage):
     def empty_outputs(self, job: StageJob) -> dict[str, Any]:
         """The outputs of a job with nothing to generate."""
         return {}
+
+    def emit_delta(self, job: StageJob, new_ids: torch.Tensor, generated: torch.Tensor) -> None:
+        """Add the DELTA, then hand the outputs so far to a stage that consumes this one in chunks
+        (code2wav reading the talker's codes; engine/streaming.py)."""
+        super().emit_delta(job, new_ids, generated)
+        publish_partial(job)
 
     @property
     def intra_op_threads(self) -> int | None:

@@ -7,11 +7,18 @@ codes and the voice (``spk_dict.pt``: speaker embedding and reference mel); BigV
 samples. The starting noise comes from the RNG stream the talker handed on (``rng_state``), drawn from a
 generator of this stage's own, so nothing here waits on the other stages' RNG lock. Each request is
 rendered alone, as the one-shot model does per sample: batching never changes a sample.
+
+With ``chunk_size`` in the deploy config the stage renders while the talker speaks (engine/streaming.py):
+chunk after chunk of ``chunk_size`` codes, each from a window of codes around it (the DiT's attention
+blocks before and after it), one AudioDelta per chunk. Its noise then comes from the request's seed, as
+the talker's stream is not known before the talker has finished (docs/speech.md, "Streaming").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,14 +27,18 @@ from engine.events import AudioDelta, DiffusionStep
 from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, omni_config, part_state_dict
 from engine.request import RequestError
 from engine.stages.base import StageCancelled, StageJob, StageRunner, intra_op_threads_for
+from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
 
 SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
+VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a chunk (docs/speech.md)
 
 
 class Code2WavStage(StageRunner):
-    """Codes -> samples, one request at a time (``audio`` and ``sample_rate`` outputs, one AudioDelta)."""
+    """Codes -> samples, one request at a time (``audio`` and ``sample_rate`` outputs): one AudioDelta
+    for the whole utterance, or one per chunk when the stage consumes the talker's codes in chunks."""
 
     kind = "diffusion"
+    consumes_chunks = True  # chunk_size may be set on this stage (engine/streaming.py)
     model: Any = None
 
     def load(self) -> None:
@@ -52,13 +63,68 @@ class Code2WavStage(StageRunner):
         return int(job.params.get("num_inference_steps") or 0)
 
     def run(self, jobs: list[StageJob]) -> None:
+        # A cancelled job stops here and the next one runs: the worker reports it cancelled, and its
+        # neighbours in the batch are not cut short.
         for job in jobs:
-            if job.cancelled:
-                raise StageCancelled()
-            with torch.inference_mode():
-                samples = self.render(job)
+            try:
+                if job.cancelled:
+                    raise StageCancelled()
+                feed = job.inputs.get(CHUNK_FEED_KEY)
+                with torch.inference_mode():
+                    if feed is not None:
+                        self.stream(job, feed)
+                        continue
+                    samples = self.render(job)
+            except StageCancelled:
+                continue
             job.add_output({"audio": samples, "sample_rate": SAMPLE_RATE})
             job.emit(AudioDelta(job.request_id, job.index, self.stage_id, samples.numpy(), SAMPLE_RATE))
+
+    def stream(self, job: StageJob, feed: ChunkFeed) -> None:
+        """Render the codes in chunks of ``chunk_size`` as the talker publishes them: one AudioDelta
+        (and one DiffusionStep) per chunk, in order; the chunks depend on the codes only."""
+        plan = ChunkPlan.of(self.model, int(self.stage.engine_args.chunk_size or 1))
+        speaker, reference = self.conditioning(job)
+        noise = SeededNoise(int(job.params["seed"]), self.model.code2wav_dit_model.mel_dim)
+        start, rendered = 0, 0
+        while True:
+            needed = plan.window(start, None)[1]
+
+            def ready(inputs: Mapping[str, Any], final: bool, needed: int = needed) -> bool:
+                return final or _codes_in(inputs) >= needed
+
+            inputs, final = feed.wait(ready, job)
+            codes = torch.as_tensor(inputs.get("codes", torch.zeros(0, dtype=torch.long))).reshape(1, -1)
+            total = int(codes.shape[1])
+            if start >= total:  # final: every code is rendered
+                break
+            low, high = plan.window(start, total if final else None)
+            end = min(start + plan.chunk, total)
+            mel = self.integrate(
+                job,
+                codes[:, low:high].to(self.device),
+                speaker,
+                reference,
+                noise.frames(low * plan.repeats, high * plan.repeats).to(self.device),
+                report=False,
+            )
+            wave = self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
+            per_code = plan.repeats * plan.hop
+            samples = wave[(start - low) * per_code : (end - low) * per_code].clone()
+            job.add_output({"audio": samples, "sample_rate": SAMPLE_RATE})
+            job.emit(AudioDelta(job.request_id, job.index, self.stage_id, samples.numpy(), SAMPLE_RATE))
+            rendered += 1
+            last = final and end >= total
+            job.emit(
+                DiffusionStep(
+                    job.request_id, job.index, self.stage_id, step=rendered, total=rendered if last else 0
+                )
+            )
+            start = end
+        if not rendered:  # nothing to speak: an empty utterance, as a whole render gives
+            empty = torch.zeros(0, dtype=torch.float32)
+            job.add_output({"audio": empty, "sample_rate": SAMPLE_RATE})
+            job.emit(AudioDelta(job.request_id, job.index, self.stage_id, empty.numpy(), SAMPLE_RATE))
 
     def conditioning(self, job: StageJob) -> tuple[torch.Tensor, torch.Tensor]:
         """The voice's speaker embedding (1, E) and reference mel (1, frames, mels), float32 here."""
@@ -106,8 +172,10 @@ class Code2WavStage(StageRunner):
         speaker: torch.Tensor,
         reference: torch.Tensor,
         start: torch.Tensor,
+        report: bool = True,
     ) -> torch.Tensor:
-        """The DiT's flow from ``start`` (noise) to a mel (1, mels, frames), one DiffusionStep per step."""
+        """The DiT's flow from ``start`` (noise) to a mel (1, mels, frames), one DiffusionStep per step
+        when ``report``."""
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
         dit = self.model.code2wav_dit_model
@@ -119,7 +187,7 @@ class Code2WavStage(StageRunner):
         def velocity(time: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
             if job.cancelled:
                 raise StageCancelled()
-            if calls[0] and calls[0] % 4 == 0:  # Runge-Kutta 4: four evaluations per step
+            if report and calls[0] and calls[0] % 4 == 0:  # Runge-Kutta 4: four evaluations per step
                 job.emit(
                     DiffusionStep(job.request_id, job.index, self.stage_id, step=calls[0] // 4, total=steps)
                 )
@@ -139,5 +207,68 @@ class Code2WavStage(StageRunner):
         times = torch.linspace(0, 1, steps, device=codes.device, dtype=speaker_rows.dtype)
         times += SWAY_COEFFICIENT * (torch.cos(math.pi / 2 * times) - 1 + times)
         trajectory = RungeKutta4ODESolver(function=velocity, initial_value=start).integrate(times)
-        job.emit(DiffusionStep(job.request_id, job.index, self.stage_id, step=steps, total=steps))
+        if report:
+            job.emit(DiffusionStep(job.request_id, job.index, self.stage_id, step=steps, total=steps))
         return trajectory[-1].permute(0, 2, 1)
+
+
+def _codes_in(inputs: Mapping[str, Any]) -> int:
+    codes = inputs.get("codes")
+    return 0 if codes is None else int(torch.as_tensor(codes).numel())
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Where a streamed render's chunks and their windows lie, in codes (docs/speech.md, "Streaming").
+
+    The DiT attends within blocks of ``block`` codes (its ``block_size`` mel frames), one block back or
+    ahead in the layers that list it; a chunk is rendered from a window reaching ``back`` codes before it
+    and ``ahead`` codes past it (at least one block each way, and at least the vocoder's reach), its
+    edges on block boundaries so the window's blocks are the whole render's.
+    """
+
+    chunk: int  # codes per chunk (the deploy config's chunk_size)
+    block: int  # codes per DiT attention block
+    back: int  # codes of context before a chunk
+    ahead: int  # codes of context after a chunk (what must exist before the chunk is rendered)
+    repeats: int  # mel frames per code
+    hop: int  # samples per mel frame
+
+    @classmethod
+    def of(cls, model: Any, chunk: int) -> ChunkPlan:
+        dit, vocoder = model.code2wav_dit_model, model.code2wav_bigvgan_model
+        repeats = int(dit.repeats)
+        block = max(1, int(dit.block_size) // repeats)
+        blocks_back = max(1, len(dit.config.look_backward_layers))
+        blocks_ahead = max(1, len(dit.config.look_ahead_layers))
+        # BigVGAN's convolutions reach about 16 mel frames either side (measured: docs/speech.md).
+        reach = -(-VOCODER_REACH_FRAMES // repeats)
+        back = max(blocks_back * block, reach)
+        ahead = max(blocks_ahead * block, reach)
+        return cls(chunk, block, back, ahead, repeats, int(math.prod(vocoder.config.upsample_rates)))
+
+    def window(self, start: int, total: int | None) -> tuple[int, int]:
+        """The codes [low, high) rendered for the chunk starting at ``start``; ``total`` when all the
+        codes are known (the window stops there), None while the talker is still speaking."""
+        low = max(0, start - self.back) // self.block * self.block
+        end = start + self.chunk
+        high = -(-(end + self.ahead) // self.block) * self.block
+        return low, high if total is None else min(high, total)
+
+
+class SeededNoise:
+    """The ODE's starting noise for a streamed render, drawn from the request's seed frame by frame as
+    windows reach further: the same rows a single draw of the whole utterance's frames gives (torch's
+    CPU normal draws are prefix-stable for rows of ``mel_dim`` values; tested)."""
+
+    def __init__(self, seed: int, mel_dim: int) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+        self.mel_dim = mel_dim
+        self.drawn = torch.zeros((1, 0, mel_dim))
+
+    def frames(self, low: int, high: int) -> torch.Tensor:
+        if high > self.drawn.shape[1]:
+            more = torch.randn((1, high - self.drawn.shape[1], self.mel_dim), generator=self.generator)
+            self.drawn = torch.cat([self.drawn, more], dim=1)
+        return self.drawn[:, low:high]

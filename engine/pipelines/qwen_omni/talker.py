@@ -47,7 +47,12 @@ class TalkerStage(OmniARStage):
         return [self.codec["pad"], self.codec["end"]]
 
     def prepare_job(self, job: StageJob) -> ARInputs | None:
-        return None if job.inputs.get("silent") else self.prepare(job)
+        if job.inputs.get("silent"):
+            return None
+        # Known from the start, so the codes published while it generates are cut at them too
+        # (talker2code2wav; engine/streaming.py).
+        job.add_output({"stop_token_ids": self.stop_ids})
+        return self.prepare(job)
 
     def prepare(self, job: StageJob) -> ARInputs:
         embeds = torch.as_tensor(job.inputs["prompt_embeds"]).to(self.device, self.torch_dtype)

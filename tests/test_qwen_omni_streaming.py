@@ -1,0 +1,263 @@
+"""Streaming speech on tiny-qwen-omni: code2wav renders the talker's codes in chunks while it speaks.
+
+The deploy config's ``chunk_size`` on code2wav (docs/speech.md, "Streaming"): one AudioDelta per chunk, in
+order, joined into the run's audio; the first chunk reaches the client while the talker is still
+generating; the chunks depend on the codes and the seed only; cancel stops all three stages.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from engine import GenerationParams, GenerationRequest, RunFailed, RunFinished, StageStarted
+from engine.building import build_pipeline_config
+from engine.config import DeployConfigError
+from engine.engine import OmniEngine, build_engine
+from engine.events import AudioDelta, DiffusionStep, StageFinished, StageStatus
+from engine.modality import OutputAccumulator, OutputModality
+from engine.models import describe_model
+from engine.stages.base import StageJob
+from engine.streaming import CHUNK_FEED_KEY, ChunkFeed, chunking_problems
+from tests.conftest import tiny_deploy
+
+CHUNK = 12  # codes per chunk: one DiT attention block of the tiny model
+SAMPLES_PER_CODE = 480  # 2 mel frames of 240 samples
+DEADLINE_S = 300  # bounds a hang only
+
+
+@pytest.fixture(scope="module")
+def streaming(session_data_dir) -> Iterator[OmniEngine]:
+    engine = build_engine(
+        "tiny-qwen-omni",
+        tiny_deploy("tiny-qwen-omni", stage2={"chunk_size": CHUNK}),
+        data_dir=session_data_dir,
+    )
+    yield engine
+    engine.close()
+
+
+def speak(seed: int = 2, **params) -> GenerationRequest:
+    return GenerationRequest("say hello", GenerationParams(seed=seed, **params))
+
+
+def events_of(engine: OmniEngine, request: GenerationRequest) -> list:
+    return list(engine.stream(engine.resolve(request)))
+
+
+def chunks_of(events: list) -> list[np.ndarray]:
+    return [e.samples for e in events if isinstance(e, AudioDelta)]
+
+
+class TalkerGate:
+    """Holds the talker on its own thread once it has generated ``at`` codes, until released: the test
+    then sees what the other stages do while the talker is still speaking (no sleeps, only events)."""
+
+    def __init__(self, engine: OmniEngine, at: int) -> None:
+        self.runner = engine.runners[1]
+        self.at = at
+        self.held = threading.Event()
+        self.released = threading.Event()
+        original = self.runner.emit_delta
+
+        def gated(job: StageJob, new_ids: torch.Tensor, generated: torch.Tensor) -> None:
+            original(job, new_ids, generated)
+            if generated.numel() >= self.at and not self.released.is_set():
+                self.held.set()
+                self.released.wait(DEADLINE_S)
+
+        self.runner.emit_delta = gated  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self.released.set()
+        del self.runner.emit_delta  # back to the class's method
+
+
+def test_chunks_arrive_in_order_and_join_into_the_runs_audio(streaming):
+    events = events_of(streaming, speak())
+    finished = events[-1]
+    assert isinstance(finished, RunFinished)
+    audio = finished.outputs[0].audio
+    chunks = chunks_of(events)
+    assert len(chunks) >= 2  # seed 2 speaks more than one chunk
+    assert all(c.size == CHUNK * SAMPLES_PER_CODE for c in chunks[:-1])
+    assert 0 < chunks[-1].size <= CHUNK * SAMPLES_PER_CODE
+    assert np.array_equal(np.concatenate(chunks), audio)
+    assert 0.01 < float(np.sqrt(np.mean(audio**2))) < 0.9  # audible
+    started = [e for e in events if isinstance(e, StageStarted) and e.stage_id == 2]
+    assert started[0].total == 0  # chunks are counted as the talker speaks
+    steps = [e for e in events if isinstance(e, DiffusionStep) and e.stage_id == 2]
+    assert [s.step for s in steps] == list(range(1, len(chunks) + 1))
+    assert steps[-1].total == len(chunks) and all(s.total == 0 for s in steps[:-1])
+
+
+def test_the_first_chunk_is_heard_while_the_talker_is_still_speaking(streaming):
+    """The talker is held after two chunks' worth of codes: the first chunk still arrives, so code2wav
+    started on the talker's partial output, not on its end."""
+    gate = TalkerGate(streaming, at=2 * CHUNK)
+    first = threading.Event()
+    events: list = []
+    done = threading.Event()
+
+    def sink(event) -> None:
+        events.append(event)
+        if isinstance(event, AudioDelta):
+            first.set()
+        if isinstance(event, RunFinished | RunFailed):
+            done.set()
+
+    try:
+        streaming.submit(streaming.resolve(speak()), sink)
+        assert first.wait(DEADLINE_S)
+        assert gate.held.is_set() and not gate.released.is_set()
+        assert not [e for e in events if isinstance(e, StageFinished) and e.stage_id == 1]
+    finally:
+        gate.close()
+    assert done.wait(DEADLINE_S)
+    assert isinstance(events[-1], RunFinished)
+    # Held or not, the same chunks (they depend on the codes and the seed only).
+    assert [c.tobytes() for c in chunks_of(events)] == [
+        c.tobytes() for c in chunks_of(events_of(streaming, speak()))
+    ]
+
+
+def test_cancel_after_the_first_chunk_stops_the_talker_and_code2wav(streaming):
+    gate = TalkerGate(streaming, at=2 * CHUNK)
+    events: list = []
+    done = threading.Event()
+    stopped = threading.Event()
+
+    def sink(event) -> None:
+        events.append(event)
+        if isinstance(event, AudioDelta) and len(chunks_of(events)) == 1:
+            streaming.cancel(event.request_id)
+            gate.released.set()  # the talker goes on, sees the cancel at its next token
+        if isinstance(event, RunFinished | RunFailed):
+            done.set()
+        if {e.stage_id for e in events if isinstance(e, StageFinished)} >= {1, 2}:
+            stopped.set()
+
+    try:
+        streaming.submit(streaming.resolve(speak()), sink)
+        assert done.wait(DEADLINE_S) and stopped.wait(DEADLINE_S)
+    finally:
+        gate.close()
+    terminal = [e for e in events if isinstance(e, RunFinished | RunFailed)]
+    assert len(terminal) == 1 and isinstance(terminal[0], RunFailed) and terminal[0].cancelled
+    status = {e.stage_id: e.status for e in events if isinstance(e, StageFinished)}
+    assert status == {0: StageStatus.SUCCEEDED, 1: StageStatus.CANCELLED, 2: StageStatus.CANCELLED}
+    talker = next(e for e in events if isinstance(e, StageFinished) and e.stage_id == 1)
+    assert talker.output_tokens < 60  # stopped before its budget
+    assert len(chunks_of(events)) == 1
+    assert streaming.in_flight == 0
+    assert isinstance(events_of(streaming, speak())[-1], RunFinished)  # the stages serve on
+
+
+def test_same_request_and_seed_give_the_same_chunks_alone_and_among_eight(streaming):
+    alone = chunks_of(events_of(streaming, speak(seed=11)))
+    requests = [
+        speak(seed=11) if i == 3 else speak(seed=20 + i, voice="Ethan" if i % 2 else None) for i in range(8)
+    ]
+    results: dict[int, list] = {}
+
+    def run(i: int) -> None:
+        results[i] = events_of(streaming, requests[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=DEADLINE_S)
+    assert len(results) == 8 and all(isinstance(r[-1], RunFinished) for r in results.values())
+    assert [c.tobytes() for c in chunks_of(results[3])] == [c.tobytes() for c in alone]
+    assert len({results[i][-1].outputs[0].audio.tobytes() for i in range(8)}) > 1
+
+
+def _code2wav_job(
+    streaming: OmniEngine, codes: torch.Tensor, seed: int, feed: ChunkFeed | None = None
+) -> StageJob:
+    resolved = streaming.resolve(speak(seed=seed))
+    params = {**resolved.stage_params[2], "seed": seed}
+    inputs = {CHUNK_FEED_KEY: feed} if feed is not None else {"codes": codes}
+    return StageJob(
+        "measure", 0, inputs, params, lambda event: None, OutputAccumulator((OutputModality.AUDIO,))
+    )
+
+
+@pytest.mark.parametrize("seed", [2, 5])
+def test_streamed_chunks_match_the_whole_utterance_render_within_the_documented_bound(streaming, seed):
+    """The streamed samples against one render of the whole utterance from the same codes and noise:
+    what the chunk windows' limited context costs (docs/speech.md, "Streaming, measured")."""
+    runner = streaming.runners[2]
+    seen: list[dict] = []
+    original = runner.run
+
+    def spy(jobs: list[StageJob]) -> None:
+        original(jobs)
+        seen.extend(job.inputs[CHUNK_FEED_KEY].snapshot()[0] for job in jobs)
+
+    runner.run = spy  # type: ignore[method-assign]
+    try:
+        streamed = events_of(streaming, speak(seed=seed))[-1].outputs[0].audio
+    finally:
+        del runner.run
+    codes = torch.as_tensor(seen[-1]["codes"]).reshape(1, -1)
+    assert codes.shape[1] > CHUNK  # more than one chunk
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the stage's intra-op threads: the same kernels
+    try:
+        with torch.inference_mode():
+            whole = runner.render(_code2wav_job(streaming, codes, seed)).numpy()
+            # The chunks depend on the codes only: a feed that is final at once gives the same samples.
+            feed = ChunkFeed()
+            feed.publish({"codes": codes}, final=True)
+            job = _code2wav_job(streaming, codes, seed, feed)
+            runner.stream(job, feed)
+            replayed = job.deliver_outputs()["audio"].numpy()
+    finally:
+        torch.set_num_threads(before)
+    assert np.array_equal(replayed, streamed)
+    assert whole.shape == streamed.shape
+    difference = np.abs(streamed - whole)
+    snr = 10 * math.log10(
+        float(np.sum(whole.astype(np.float64) ** 2)) / max(float(np.sum(difference**2.0)), 1e-30)
+    )
+    assert float(difference.max()) < 1e-3 and snr > 80.0, (float(difference.max()), snr)
+
+
+def test_chunk_size_is_validated_naming_the_field():
+    source = describe_model("tiny-qwen-omni")
+    for stage, value, says in (
+        (2, 0, "greater than or equal to 1"),
+        (2, 5000, "4096"),
+        (0, 12, "one AR stage"),  # the thinker reads the request, not an AR stage
+    ):
+        with pytest.raises(DeployConfigError) as info:
+            build_pipeline_config(
+                source, tiny_deploy("tiny-qwen-omni", **{f"stage{stage}": {"chunk_size": value}})
+            )
+        problems = [p for p in info.value.problems if p.key == "chunk_size"]
+        assert problems and problems[0].stage == stage and says in problems[0].message, info.value.render()
+    config = build_pipeline_config(source, tiny_deploy("tiny-qwen-omni", stage2={"chunk_size": 24}))
+    assert config.stage(2).engine_args.chunk_size == 24
+    plain = build_pipeline_config(source, tiny_deploy("tiny-qwen-omni"))
+    assert "chunk_size" not in plain.stage(2).engine_args.to_dict()  # unset: the hash stays what it was
+    assert config.config_hash() != plain.config_hash()
+
+
+def test_a_stage_that_cannot_render_chunks_is_refused_at_start(glm_engine):
+    """GLM-Image's diffusion stage is fed by an AR stage, so the config allows the key; its runner
+    takes its input whole, so the engine refuses it, naming the field."""
+    stage = glm_engine.config.stage(1)
+    chunked = replace(stage, engine_args=replace(stage.engine_args, chunk_size=8))
+    config = replace(glm_engine.config, stages=(glm_engine.config.stage(0), chunked))
+    problems = chunking_problems(config, glm_engine.runners)
+    assert [(p.stage, p.key) for p in problems] == [(1, "chunk_size")]
+    assert "cannot consume its input in chunks" in problems[0].message
+    assert chunking_problems(glm_engine.config, glm_engine.runners) == []
