@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ConfigProblem, PipelineConfig
+from engine.memory_estimate.activations import PROCESS_RUNTIME_CPU, VLLM_DEFAULT_BATCHED_TOKENS
 from engine.memory_estimate.checkpoints import ComponentWeights
 from engine.memory_estimate.devices import DeviceBudget, device_budget
 from engine.memory_estimate.stages import MARGIN_FLOOR, MARGIN_FRACTION, StageMemory, estimate_stage
@@ -74,12 +75,26 @@ class MemoryEstimate:
                 placed.setdefault(device, []).append(stage)
         return placed
 
+    def processes(self, device: str) -> int:
+        """Processes holding stages on the CPU: the engine's (its in-process stages) and one per stage with
+        ``own_process``. Each carries the interpreter and its libraries (0 on a GPU)."""
+        if device != "cpu":
+            return 0
+        stages = self.on_device().get(device, [])
+        own = sum(1 for s in stages if s.stage.engine_args.own_process)
+        return own + (1 if len(stages) > own else 0)
+
+    def runtime(self, device: str) -> int:
+        return self.processes(device) * PROCESS_RUNTIME_CPU
+
     def need(self, device: str) -> int:
         budget = self.budgets.get(device)
-        return sum(s.claim(budget) for s in self.on_device().get(device, []))
+        return sum(s.claim(budget) for s in self.on_device().get(device, [])) + self.runtime(device)
 
     def table(self) -> str:
-        head = ("stage", "component", "params", "dtype", "weights", "KV cache", "margin", "total", "device")
+        head = (
+            "stage", "component", "params", "dtype", "weights", "KV cache", "extra", "margin", "total", "device"
+        )  # fmt: skip
         rows: list[tuple[str, ...]] = []
         for s in self.stages:
             components: list[ComponentWeights | None] = list(s.components) or [None]
@@ -93,6 +108,7 @@ class MemoryEstimate:
                         _dtype_cell(s, c) if c is not None else "-",
                         format_bytes(c.loaded_bytes(s.dtype)) if c is not None else "-",
                         (format_bytes(s.kv_bytes) if s.kv is not None else "-") if first else "",
+                        (format_bytes(s.extra) if s.extra else "-") if first else "",
                         format_bytes(s.margin) if first else "",
                         format_bytes(s.total) if first else "",
                         ",".join(s.devices) if first else "",
@@ -113,12 +129,39 @@ class MemoryEstimate:
                 )
             elif s.kv is not None:
                 notes.append(f"stage {s.stage_id} KV cache: kv_cache_memory_bytes {s.kv.fixed_bytes}")
+            if s.copies:
+                notes.append(
+                    f"stage {s.stage_id} extra: vLLM on the CPU keeps a packed copy of the embedding and LM head "
+                    f"beside them: {format_bytes(s.copies)}"
+                )
+            if s.buffers:
+                batched = s.stage.engine_args.max_num_batched_tokens
+                notes.append(
+                    f"stage {s.stage_id} extra: vLLM's input buffer for max_num_batched_tokens "
+                    f"{batched or f'{VLLM_DEFAULT_BATCHED_TOKENS} (unset: assumed)'}: {format_bytes(s.buffers)}"
+                )
+            if s.work is not None:
+                w = s.work
+                source = f" + the DiT's cache of the source {format_bytes(w.dit_source_cache)}" * bool(
+                    w.dit_source_cache
+                )
+                notes.append(
+                    f"stage {s.stage_id} extra: working memory at {w.height}x{w.width} ({w.size_from}) x batch "
+                    f"{w.batch}: the larger of a DiT forward {format_bytes(w.dit_forward)}{source} and the VAE "
+                    f"decode {format_bytes(w.vae_decode)}"
+                )
             if s.unreadable:
                 notes.append(
                     f"stage {s.stage_id}: {', '.join(s.unreadable)} hold weights that are not safetensors: not counted"
                 )
+        for device in self.on_device():
+            if self.runtime(device):
+                notes.append(
+                    f"{device}: + {format_bytes(self.runtime(device))} for the interpreter and libraries of "
+                    f"{self.processes(device)} process(es)"
+                )
         notes.append(
-            f"margin: {MARGIN_FRACTION:.0%} of weights + KV cache, at least "
+            f"margin: {MARGIN_FRACTION:.0%} of weights + copies + KV cache, at least "
             f"{format_bytes(MARGIN_FLOOR['cpu'])} on a CPU and {format_bytes(MARGIN_FLOOR['cuda'])} on a GPU "
             "(docs/memory.md)"
         )

@@ -14,11 +14,18 @@ import torch
 
 from engine.config import ResolvedStage
 from engine.kv_cache import kv_bytes_per_token
+from engine.memory_estimate.activations import (
+    DiffusionWork,
+    diffusion_work,
+    vllm_cpu_copies,
+    vllm_token_buffers,
+)
 from engine.memory_estimate.checkpoints import ComponentWeights, component_weights, read_json
 from engine.memory_estimate.devices import DeviceBudget
 
-# The margin for activations and runtime, per stage: a fraction of its weights + KV cache, at least a floor
-# per device kind. docs/memory.md says where these numbers come from.
+# The margin for what no term models (an AR stage's activations, the loaders' leftovers), per stage: a
+# fraction of its weights + copies + KV cache, at least a floor per device kind. docs/memory.md says where
+# these numbers come from.
 MARGIN_FRACTION = 0.20
 MARGIN_FLOOR = {"cpu": 256 << 20, "cuda": 512 << 20}
 
@@ -79,6 +86,9 @@ class StageMemory:
     unreadable: tuple[str, ...]  # component folders with weights that are not safetensors (not counted)
     kv: KvCache | None
     devices: tuple[str, ...]  # where its memory goes: one device, or vLLM's tensor/pipeline workers' GPUs
+    copies: int = 0  # vLLM on a CPU: the packed copies its loader keeps beside the weights
+    buffers: int = 0  # vLLM: its input-embeddings buffer of max_num_batched_tokens
+    work: DiffusionWork | None = None  # a diffusion stage's working memory at its image size
 
     @property
     def stage_id(self) -> int:
@@ -92,16 +102,29 @@ class StageMemory:
     def kv_bytes(self) -> int:
         return self.kv.bytes if self.kv is not None else 0
 
+    @property
+    def work_bytes(self) -> int:
+        return self.work.bytes if self.work is not None else 0
+
+    @property
+    def extra(self) -> int:
+        """What the stage holds beyond weights and KV cache: loader copies and working memory."""
+        return self.copies + self.buffers + self.work_bytes
+
     def total_if(self, *, kv_bytes: int | None = None, weights: int | None = None) -> int:
-        """The total with another KV cache size or weights (what a changed deploy key would give)."""
+        """The total with another KV cache size or weights (what a changed deploy key would give: another
+        dtype scales the copies and the working memory with the weights)."""
+        scale = weights / self.weights if weights is not None and self.weights else 1.0
         weights = self.weights if weights is None else weights
         kv_bytes = self.kv_bytes if kv_bytes is None else kv_bytes
+        copies, work = int(self.copies * scale), int(self.work_bytes * scale)
         floor = MARGIN_FLOOR["cpu" if self.devices[0] == "cpu" else "cuda"] * len(self.devices)
-        return weights + kv_bytes + max(int(MARGIN_FRACTION * (weights + kv_bytes)), floor)
+        held = weights + copies + int(self.buffers * scale) + kv_bytes
+        return held + work + max(int(MARGIN_FRACTION * held), floor)
 
     @property
     def margin(self) -> int:
-        return self.total - self.weights - self.kv_bytes
+        return self.total - self.weights - self.kv_bytes - self.extra
 
     @property
     def total(self) -> int:
@@ -182,6 +205,28 @@ def estimate_stage(family: str, stage: ResolvedStage, model_path: Path) -> Stage
     dtype = _stage_dtype(stage)
     backend = _stage_backend(stage)
     kv = _kv_cache(stage, model_path, names, dtype) if stage.kind == "ar" else None
+    devices = _stage_devices(stage, backend)
+    element = torch.tensor([], dtype=dtype).element_size()
+    copies = buffers = 0
+    if backend == "vllm" and names:
+        config = read_json(Path(model_path) / names[0] / "config.json")
+        text = text_config(config)
+        buffers = vllm_token_buffers(text, stage.engine_args.max_num_batched_tokens, element)
+        if devices[0] == "cpu" and components:
+            tied = bool(config.get("tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+            copies = vllm_cpu_copies(components[0], tied, element)
+    work = None
+    if stage.kind == "diffusion" and "transformer" in names and "vae" in names:
+        transformer = read_json(Path(model_path) / "transformer" / "config.json")
+        vae = read_json(Path(model_path) / "vae" / "config.json")
+        work = diffusion_work(
+            transformer,
+            vae,
+            stage.default_sampling_params,
+            stage.engine_args.batch_size,
+            element,
+            image_to_image=family == "glm-image",
+        )
     return StageMemory(
-        stage, backend, dtype, tuple(components), tuple(unreadable), kv, _stage_devices(stage, backend)
+        stage, backend, dtype, tuple(components), tuple(unreadable), kv, devices, copies, buffers, work
     )
