@@ -221,3 +221,46 @@ def test_a_signed_url_serves_the_wav_without_the_key(omni, recorder, store, data
     assert signed.content == run.audio[0].path.read_bytes()
     other = f"{run.audio[0].sha256}.png"  # a signature covers its own name only
     assert client.get(f"/v1/outputs/{other}?{state.signer.query(name, 60)}").status_code == 403
+
+
+def test_journaled_audio_writes_replay_with_their_figures(store, data_dir: Path) -> None:
+    """A spoken run's writes that the database refused are journaled as JSON and replayed later
+    (studio/store/journal.py): the WAV's length and the run's figures come through."""
+    import json
+
+    from studio.store.journal import apply_entries
+
+    wav_sha = store.write_file(b"RIFF....WAVE", "audio/wav")[0]
+    run_id = store.create_run(source="api", prompt=PROMPT, model="tiny-qwen-omni", request={}, parameters={})
+    output = {
+        "run_id": run_id,
+        "index": 0,
+        "mime": "audio/wav",
+        "width": None,
+        "height": None,
+        "duration_seconds": 1.2,
+        "sample_rate": RATE,
+        "sha256": wav_sha,
+        "size_bytes": 12,
+    }
+    figures = {"ttfp_seconds": 0.25, "audio_seconds": 1.2, "realtime_factor": 0.5}
+    finish = {"run_id": run_id, "status": "succeeded", "at": 1.0, "audio": figures}
+    # What the journal file holds, replayed twice (a crash between its commit and its removal).
+    entries = json.loads(
+        json.dumps(
+            [
+                {"run": run_id, "op": "add_output_file", "args": output},
+                {"run": run_id, "op": "finish_run", "args": finish},
+            ]
+        )
+    )
+    assert apply_entries(store, entries, None) == [] and apply_entries(store, entries, None) == []
+    run = store.get_run(run_id)
+    [audio] = run.audio
+    assert (audio.sha256, audio.duration_seconds, audio.sample_rate) == (wav_sha, 1.2, RATE)
+    assert (run.status, run.ttfp_seconds, run.audio_seconds, run.realtime_factor) == (
+        "succeeded",
+        0.25,
+        1.2,
+        0.5,
+    )
