@@ -19,6 +19,10 @@ picture, so a re-run (from History, the CLI or a replay) writes the very same fi
 is found instead by the file's sha256 (outputs are content-addressed) and, for a re-saved or edited PNG,
 by its recipe (``omni-studio history show --png``; :mod:`studio.recipes.runs`).
 
+Spoken outputs carry the same JSON object in their WAV and FLAC files (docs/speech.md): the stamper
+attaches it to each ``RunOutput`` with audio (:func:`audio_recipe` reads it), and every encoder of that
+audio (the run store, ``omni-studio run --out``, the API) hands it to ``studio.media.audio.encode_audio``.
+
 This module is the format: building a recipe, attaching it to an image, reading one back from PNG bytes
 (ours, or A1111's ``parameters`` alone). It knows nothing of the run store, the UI or the CLI.
 """
