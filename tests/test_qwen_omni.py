@@ -31,9 +31,14 @@ PROMPT = "say hello"
 THINKER_MAX, TALKER_MAX = 24, 60  # the preset's budgets (assets/deploy/tiny-qwen-omni.yaml)
 
 
+# The whole-utterance render (no chunk_size): its waveform equals the one-shot generate's sample for sample;
+# the preset's streamed render is checked against it in tests/test_qwen_omni_streaming.py.
+WHOLE_RENDER = tiny_deploy("tiny-qwen-omni", stage2={"chunk_size": None})
+
+
 @pytest.fixture(scope="module")
 def omni(session_data_dir) -> Iterator[OmniEngine]:
-    engine = build_engine("tiny-qwen-omni", tiny_deploy("tiny-qwen-omni"), data_dir=session_data_dir)
+    engine = build_engine("tiny-qwen-omni", WHOLE_RENDER, data_dir=session_data_dir)
     yield engine
     engine.close()
 
@@ -198,7 +203,7 @@ def test_a_copied_checkpoint_folder_loads_as_a_local_model(omni, tmp_path, sessi
     config.json and served by the same stages, with the same samples."""
     folder = tmp_path / "Qwen2.5-Omni-tiny"
     shutil.copytree(omni.model.path, folder)
-    engine = build_engine(str(folder), tiny_deploy("tiny-qwen-omni"), data_dir=session_data_dir)
+    engine = build_engine(str(folder), WHOLE_RENDER, data_dir=session_data_dir)
     try:
         assert engine.family.name == "qwen-omni" and not engine.model.builtin
         local = engine.run(speak(voice="Ethan")).outputs[0]

@@ -36,7 +36,11 @@ SYSTEM = (ChatTurn("system", SPEECH_SYSTEM_PROMPT),)  # the speaking prompt, giv
 
 @pytest.fixture(scope="module")
 def omni(session_data_dir) -> Iterator[OmniEngine]:
-    engine = build_engine("tiny-qwen-omni", tiny_deploy("tiny-qwen-omni"), data_dir=session_data_dir)
+    engine = build_engine(
+        "tiny-qwen-omni",
+        tiny_deploy("tiny-qwen-omni", stage2={"chunk_size": None}),
+        data_dir=session_data_dir,
+    )
     yield engine
     engine.close()
 

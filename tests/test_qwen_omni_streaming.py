@@ -246,7 +246,7 @@ def test_chunk_size_is_validated_naming_the_field():
         assert problems and problems[0].stage == stage and says in problems[0].message, info.value.render()
     config = build_pipeline_config(source, tiny_deploy("tiny-qwen-omni", stage2={"chunk_size": 24}))
     assert config.stage(2).engine_args.chunk_size == 24
-    plain = build_pipeline_config(source, tiny_deploy("tiny-qwen-omni"))
+    plain = build_pipeline_config(source, tiny_deploy("tiny-qwen-omni", stage2={"chunk_size": None}))
     assert "chunk_size" not in plain.stage(2).engine_args.to_dict()  # unset: the hash stays what it was
     assert config.config_hash() != plain.config_hash()
 
