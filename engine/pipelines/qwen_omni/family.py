@@ -15,7 +15,7 @@ from engine.pipelines.qwen_omni.code2wav import Code2WavStage
 from engine.pipelines.qwen_omni.talker import TalkerStage
 from engine.pipelines.qwen_omni.thinker import MIN_AUDIO_SAMPLES, ThinkerStage
 from engine.request import GenerationRequest, RequestError
-from engine.stages.backends import select_ar_backend
+from engine.stages.backends import BackendUnavailable, select_ar_backend
 from engine.stages.base import StageRunner
 
 THINKER, TALKER, CODE2WAV = 0, 1, 2
@@ -73,7 +73,19 @@ class QwenOmniFamily(PipelineFamily):
     def create_runner(self, stage: ResolvedStage, model_path: Path, device: torch.device) -> StageRunner:
         if stage.stage_id == CODE2WAV:
             return Code2WavStage(stage, model_path, device)
-        # Raises for backend: vllm (no vLLM runner for these stages); auto and transformers run here.
+        if stage.stage_id == THINKER and stage.backend == "vllm":
+            # Text-only requests; speech needs hidden states vLLM does not return (docs/speech.md).
+            select_ar_backend(stage, self.name)  # raises when vLLM is missing or broken here
+            from engine.pipelines.qwen_omni.thinker_vllm import VllmThinkerStage
+
+            return VllmThinkerStage(stage, model_path, device)
+        if stage.stage_id == TALKER and stage.backend == "vllm":
+            raise BackendUnavailable(
+                "stage 1 (talker): backend 'vllm' requested but vLLM has no Qwen2.5-Omni talker (an LM over "
+                "codec ids fed the thinker's hidden states); use backend: transformers or auto"
+            )
+        # auto and transformers run here (auto stays on transformers: speech, the default, needs the
+        # thinker's hidden states; docs/speech.md, "vLLM for the thinker").
         select_ar_backend(stage, self.name, has_vllm_runner=False)
         return (
             ThinkerStage(stage, model_path, device)
