@@ -26,7 +26,7 @@ from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.building import device_problems, pipeline_config_from_text
 from engine.config import ConfigProblem, DeployConfigError, PipelineConfig, parse_deploy_yaml_text
 from engine.engine import EngineBuildError, build_engine
-from engine.events import EngineEvent
+from engine.events import EngineEvent, RunOutput
 from engine.modality import OutputModality
 from engine.models import ModelSource, describe_model
 from engine.paths import DEPLOY_PRESETS_DIR
@@ -34,7 +34,7 @@ from engine.pipelines import UnknownModelFamily
 from engine.tiny import BUILTIN_MODELS
 from studio.api.state import ServingState
 from studio.runs.service import Queued, RunRejected, RunService
-from studio.store.files import OutputFiles
+from studio.store.files import WAV, OutputFiles
 
 log = logging.getLogger("omni_studio")
 
@@ -359,6 +359,26 @@ class Studio:
         if kept is None:  # the studio's run service always has the output files
             raise RuntimeError("the studio has no output files")
         return str(kept[1])
+
+    def keep_audio(self, output: RunOutput) -> str:
+        """Write a spoken output as the run store's WAV (its recipe inside: the very file the recorder keeps
+        for the run, once per hash; docs/speech.md); returns its path."""
+        from studio.media.audio import encode_audio
+        from studio.recipes.recipe import audio_recipe
+
+        if output.audio is None or not output.sample_rate or self.runs.files is None:
+            raise RuntimeError("no audio to keep, or the studio has no output files")
+        data = encode_audio(output.audio, output.sample_rate, "wav", audio_recipe(output))
+        return str(self.runs.files.write(data, WAV)[1])
+
+    @property
+    def speaks(self) -> bool:
+        """Whether the running pipeline makes audio (the Chat tab then shows its speech controls)."""
+        return OutputModality.AUDIO in self.engine.family.final_modalities(self.config)
+
+    def voices(self) -> list[str]:
+        """The running model's voices, the default first (empty: it does not speak)."""
+        return list(self.engine.family.voices(self.model.path))
 
     def request_from_run(self, run_id: str) -> tuple[GenerationRequest, Any]:
         """The request that reproduces a recorded run: same prompt, parameters, seed and source image

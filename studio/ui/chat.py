@@ -1,8 +1,14 @@
 """The Chat tab: multimodal prompt, generation parameters, streamed text, per-stage progress, live
-diffusion previews, the final image in the conversation, Stop, and "send to source image"."""
+diffusion previews, the final image in the conversation, Stop, and "send to source image".
+
+With a model that speaks (docs/speech.md "In the studio"): speech in (a recording or an audio file), a
+voice and what to reply with, the reply played as it streams (the live speaker below), its transcript
+streamed, and the finished reply's WAV in the conversation.
+"""
 
 from __future__ import annotations
 
+import base64
 import html
 import time
 from pathlib import Path
@@ -13,6 +19,7 @@ from PIL import Image
 
 from engine import ChatTurn, GenerationRequest, RequestError
 from engine.events import (
+    AudioDelta,
     DiffusionStep,
     RunFailed,
     RunFinished,
@@ -23,7 +30,9 @@ from engine.events import (
 )
 from engine.modality import OutputModality
 from studio.api.inputs import params_from_fields
+from studio.cli.progress import stage_labels
 from studio.controller import Studio
+from studio.media.audio import AudioError, decode_input_audio, pcm16_chunk
 from studio.runs.service import Queued, RunRejected
 from studio.ui.recipe import build_recipe_drop, connect_recipe_drop
 
@@ -32,23 +41,40 @@ from studio.ui.recipe import build_recipe_drop, connect_recipe_drop
 UI_UPDATE_INTERVAL_S = 0.2
 
 
-def render_progress(stages: dict[int, dict[str, Any]]) -> str:
+UNITS = {"tok": "tokens", "code": "codes", "step": "steps"}
+
+
+def speech_labels(studio: Studio) -> dict[int, tuple[str, str]] | None:
+    """Each stage's name and unit when the model speaks (thinker tokens, talker codes, code2wav steps: the
+    names of its hand-offs, as the CLI's bars show them); ``None`` keeps the image families' bars as they are."""
+    if not studio.speaks:
+        return None
+    names, units = stage_labels(studio.config.stages)
+    return {sid: (names[sid], UNITS.get(units[sid], units[sid])) for sid in names}
+
+
+def render_progress(
+    stages: dict[int, dict[str, Any]], labels: dict[int, tuple[str, str]] | None = None
+) -> str:
     """One bar per stage: what it is, how far, how long."""
     if not stages:
         return "<div class='omni-progress idle'>Idle</div>"
     rows = []
     for sid in sorted(stages):
         s = stages[sid]
-        unit = "tokens" if s["kind"] == "ar" else "steps"
+        name, unit = (labels or {}).get(sid) or (s["kind"], "tokens" if s["kind"] == "ar" else "steps")
+        # A streamed code2wav counts chunks and learns their number at the last one (total 0 until then).
+        open_ended = labels is not None and not s.get("total") and s.get("status", "running") == "running"
         total = max(int(s.get("total") or 0), 1)
-        step = min(int(s.get("step") or 0), total)
+        step = int(s.get("step") or 0) if open_ended else min(int(s.get("step") or 0), total)
         status = s.get("status", "running")
         seconds = f" · {s['seconds']:.2f} s" if s.get("seconds") is not None else ""
+        bar = "<progress></progress>" if open_ended else f"<progress max='{total}' value='{step}'></progress>"
+        count = f"{step} {unit}" if open_ended else f"{step}/{total} {unit}"
         rows.append(
             f"<div class='omni-stage {status}' data-stage='{sid}' data-status='{status}'>"
-            f"<span class='omni-stage-label'>stage {sid} · {html.escape(s['kind'])}</span>"
-            f"<progress max='{total}' value='{step}'></progress>"
-            f"<span class='omni-stage-count'>{step}/{total} {unit} · {status}{seconds}</span></div>"
+            f"<span class='omni-stage-label'>stage {sid} · {html.escape(str(name))}</span>"
+            f"{bar}<span class='omni-stage-count'>{count} · {status}{seconds}</span></div>"
         )
     return "<div class='omni-progress'>" + "".join(rows) + "</div>"
 
@@ -71,6 +97,96 @@ def history_turns(history: list[dict[str, Any]]) -> tuple[ChatTurn, ...]:
     return tuple(turns)
 
 
+# The live speaker: an HTML block the reply's audio is appended to, chunk by chunk, as base64 pcm16 (Gradio
+# sends an appended string as its tail only); its script (SPEAKER_JS) plays each new chunk right after the
+# last through the Web Audio API, and stops at Stop. Gradio's own streaming audio output needs ffmpeg.
+SPEAKER_IDLE = "<div class='omni-live'><span class='omni-live-label'>Spoken replies play here</span></div>"
+SPEAKER_JS = """
+const st = {ctx: null, run: null, played: -1, next: 0, sources: [], seconds: 0, state: 'idle'};
+const show = () => {
+  const context = st.ctx ? st.ctx.state : 'none';
+  Object.assign(element.dataset, {state: st.state, seconds: st.seconds.toFixed(3), chunks: st.played + 1, context});
+  const label = element.querySelector('.omni-live-label');
+  if (label && st.run) label.textContent = `Live audio: ${st.state} · ${st.seconds.toFixed(2)} s`;
+};
+const stop = () => {
+  for (const s of st.sources) { try { s.stop(); } catch (e) {} }
+  Object.assign(st, {sources: [], next: 0, state: st.run ? 'stopped' : st.state});
+  show();
+};
+const play = (chunk) => {
+  const raw = atob(chunk.dataset.pcm), n = raw.length >> 1;
+  if (!n) return;
+  st.ctx = st.ctx || new AudioContext();
+  if (st.ctx.state === 'suspended') st.ctx.resume();
+  const buffer = st.ctx.createBuffer(1, n, Number(chunk.dataset.rate)), data = buffer.getChannelData(0);
+  for (let i = 0; i < n; i++) {
+    const v = raw.charCodeAt(2 * i) | (raw.charCodeAt(2 * i + 1) << 8);
+    data[i] = (v > 32767 ? v - 65536 : v) / 32767;
+  }
+  const source = st.ctx.createBufferSource(), at = Math.max(st.ctx.currentTime + 0.05, st.next);
+  source.buffer = buffer;
+  source.connect(st.ctx.destination);
+  source.start(at);
+  st.next = at + buffer.duration;
+  st.sources.push(source);
+  source.onended = () => { st.sources = st.sources.filter((s) => s !== source); };
+  st.seconds += buffer.duration;
+};
+const update = () => {
+  const root = element.querySelector('.omni-live');
+  const run = (root && root.dataset.run) || null;
+  if (run !== st.run) {
+    stop();
+    Object.assign(st, {run, played: -1, seconds: 0, state: run ? 'speaking' : 'idle'});
+  }
+  for (const chunk of root ? root.querySelectorAll('.omni-live-chunk') : []) {
+    const seq = Number(chunk.dataset.seq);
+    if (seq <= st.played) continue;
+    st.played = seq;
+    if (st.state === 'speaking') play(chunk);
+  }
+  const end = root && root.querySelector('.omni-live-end');
+  if (end && end.dataset.state === 'stopped') stop();
+  else if (end && st.state === 'speaking') st.state = 'spoken';
+  show();
+};
+watch('value', update);
+update();
+document.addEventListener('click', (e) => { if (e.target.closest && e.target.closest('#omni-stop')) stop(); }, true);
+"""
+
+
+PLACEHOLDERS = {
+    False: "Describe an image (attach a source image for image-to-image) and press Enter",
+    True: "Say something (or add a recording below) and press Enter",
+}
+
+
+def speaker_start(run_id: str) -> str:
+    return f"<div class='omni-live' data-run='{html.escape(run_id)}'><span class='omni-live-label'></span>"
+
+
+def speaker_chunk(seq: int, delta: AudioDelta) -> str:
+    pcm, rate = base64.b64encode(pcm16_chunk(delta.samples)).decode(), delta.sample_rate
+    return f"<i class='omni-live-chunk' data-seq='{seq}' data-rate='{rate}' data-pcm='{pcm}'></i>"
+
+
+def speaker_end(state: str) -> str:
+    return f"<i class='omni-live-end' data-state='{state}'></i>"
+
+
+def heard_audio(studio: Studio, path: str | None) -> tuple[Any, ...]:
+    """An uploaded or recorded clip as the model hears it (float32 mono 16 kHz), within the API's limits."""
+    if not path:
+        return ()
+    fmt, limits = "mp3" if Path(path).suffix.lower() == ".mp3" else "wav", studio.serving.options.limits
+    data = Path(path).read_bytes()
+    return (
+        decode_input_audio(data, fmt, max_bytes=limits.max_audio_bytes, max_seconds=limits.max_audio_seconds),
+    )
+
+
 def build_request(
     studio: Studio,
     message: dict[str, Any],
@@ -85,8 +201,13 @@ def build_request(
     temperature: float,
     modalities: list[str],
     preview_every: float,
+    voice: str | None = None,
+    reply_as: str | None = None,
+    audio_path: str | None = None,
 ) -> GenerationRequest:
-    """The engine request for the UI's current inputs (the same params the API builds)."""
+    """The engine request for the UI's current inputs (the same params the API builds). A model that speaks
+    takes the thinker's max tokens and temperature, code2wav's steps and guidance, a voice, what to reply
+    with (``text+audio``, ``audio``, ``text``) and a clip to hear (``audio_path``, wav or mp3)."""
     text = (message or {}).get("text", "") or ""
     files = (message or {}).get("files") or []
     image = None
@@ -99,6 +220,18 @@ def build_request(
         "seed": None if seed is None or seed < 0 else int(seed),
         "preview_every": int(preview_every),
     }
+    if studio.speaks:
+        fields.update(max_tokens=int(max_tokens), temperature=float(temperature), voice=voice or None)
+        fields.update(num_inference_steps=int(steps), guidance_scale=float(guidance))
+        reply = tuple(OutputModality(m) for m in (reply_as or "text+audio").split("+"))
+        return GenerationRequest(
+            text,
+            params_from_fields(fields),
+            image=image,
+            history=history_turns(history),
+            modalities=reply,
+            input_audio=heard_audio(studio, audio_path),
+        )
     if family == "chat":
         fields.update(max_tokens=int(max_tokens), temperature=float(temperature))
     else:
@@ -116,26 +249,42 @@ def build_request(
 def build_chat_tab(studio: Studio) -> dict[str, Any]:
     dit = next((s for s in studio.config.stages if s.kind == "diffusion"), None)
     defaults = dit.default_sampling_params if dit else {}
+    speaks, voices = studio.speaks, studio.voices()
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Conversation", height=460, elem_id="omni-chatbot", buttons=["copy"])
             message = gr.MultimodalTextbox(
-                placeholder="Describe an image (attach a source image for image-to-image) and press Enter",
+                placeholder=PLACEHOLDERS[speaks],
                 file_types=["image"],
                 file_count="single",
                 sources=["upload"],
                 show_label=False,
                 elem_id="omni-message",
             )
+            audio_in = gr.Audio(
+                sources=["upload", "microphone"],
+                type="filepath",
+                label="Speech in: a recording or an audio file (wav or mp3), sent with the next message",
+                visible=speaks,
+                elem_id="omni-audio-in",
+            )
             with gr.Row():
                 stop = gr.Button("Stop", variant="stop", elem_id="omni-stop")
-                to_source = gr.Button("Send result to source image", elem_id="omni-to-source")
+                to_source = gr.Button(
+                    "Send result to source image", elem_id="omni-to-source", visible=not speaks
+                )
                 clear = gr.Button("Clear conversation", elem_id="omni-clear")
             status = gr.Markdown("", elem_id="omni-chat-status")
         with gr.Column(scale=2):
             progress = gr.HTML(render_progress({}), label="Progress", elem_id="omni-progress")
+            speaker = gr.HTML(SPEAKER_IDLE, js_on_load=SPEAKER_JS, visible=speaks, elem_id="omni-speaker")
             preview = gr.Image(
-                label="Diffusion preview", type="pil", interactive=False, height=256, elem_id="omni-preview"
+                label="Diffusion preview",
+                type="pil",
+                interactive=False,
+                height=256,
+                visible=not speaks,
+                elem_id="omni-preview",
             )
             recipe_drop = build_recipe_drop()  # "Load recipe from PNG" (studio/ui/recipe.py)
             with gr.Accordion("Parameters", open=True):
@@ -147,7 +296,17 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                     elem_id="omni-model",
                 )
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)", elem_id="omni-seed")
-                with gr.Row():
+                with gr.Row(visible=speaks) as speech_row:
+                    voice = gr.Dropdown(
+                        voices, value=voices[0] if voices else None, label="Voice", elem_id="omni-voice"
+                    )
+                    reply_as = gr.Radio(
+                        ["text+audio", "audio", "text"],
+                        value="text+audio",
+                        label="Reply with",
+                        elem_id="omni-reply-as",
+                    )
+                with gr.Row(visible=not speaks) as size_row:
                     width = gr.Slider(
                         32,
                         1024,
@@ -187,81 +346,81 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                     ),
                     elem_id="omni-size-note",
                 )
-                negative = gr.Textbox(label="Negative prompt", lines=1)
+                negative = gr.Textbox(label="Negative prompt", lines=1, visible=not speaks)
                 with gr.Row():
                     max_tokens = gr.Slider(1, 1024, value=64, step=1, label="Max tokens (text models)")
                     temperature = gr.Slider(0, 2, value=0.8, step=0.05, label="Temperature (text models)")
                 modalities = gr.CheckboxGroup(
                     ["text", "image", "token_ids"],
                     label="Output modalities (empty: what the pipeline's final stage produces)",
+                    visible=not speaks,
                     elem_id="omni-modalities",
                 )
-                preview_every = gr.Slider(0, 10, value=1, step=1, label="Preview every k steps (0: none)")
+                preview_every = gr.Slider(
+                    0, 10, value=1, step=1, label="Preview every k steps (0: none)", visible=not speaks
+                )
     run_id = gr.State(None)
     last_image = gr.State(None)
 
-    async def send(
-        message_value,
-        history,
-        seed_v,
-        width_v,
-        height_v,
-        steps_v,
-        guidance_v,
-        negative_v,
-        max_tokens_v,
-        temperature_v,
-        modalities_v,
-        preview_every_v,
-        request: gr.Request,
-    ):
+    # What send() updates, in order; out(name=value) leaves the others as they are.
+    output_names: tuple[str, ...] = ("chatbot", "message", "progress", "preview", "run_id", "last_image")
+    output_names += ("status", "speaker", "audio_in")
+
+    def out(**changes: Any) -> tuple[Any, ...]:
+        return tuple(changes.get(name, gr.skip()) for name in output_names)
+
+    async def send(request: gr.Request, message_value, history, *values):
+        """``values``: the inputs after the message and the conversation, in build_request's order."""
         history = list(history or [])
         text = (message_value or {}).get("text", "") or ""
         files = (message_value or {}).get("files") or []
         user_content: list[Any] = []
         if files:
             user_content.append({"path": files[-1]["path"] if isinstance(files[-1], dict) else files[-1]})
+        speaking = studio.speaks
+        if values[-1] and speaking:
+            user_content.append({"path": values[-1]})
         if text:
             user_content.append(text)
         if not user_content:
-            yield history, gr.skip(), render_progress({}), gr.skip(), None, gr.skip(), "Type a prompt first."
-            return
-        try:
-            engine_request = build_request(
-                studio,
-                message_value,
-                history,
-                seed_v,
-                width_v,
-                height_v,
-                steps_v,
-                guidance_v,
-                negative_v,
-                max_tokens_v,
-                temperature_v,
-                modalities_v,
-                preview_every_v,
+            yield out(
+                chatbot=history, progress=render_progress({}), run_id=None, status="Type a prompt first."
             )
+            return
+        labels = speech_labels(studio)
+        try:
+            values = (*values[:-1], values[-1] if speaking else None)  # the clip only for a model that hears
+            engine_request = build_request(studio, message_value, history, *values)
             resolved = studio.resolve(engine_request)
-        except RequestError as exc:
+        except (RequestError, AudioError) as exc:
             history += [
                 {"role": "user", "content": user_content},
-                {"role": "assistant", "content": f"⚠️ {exc.field}: {exc.message}"},
+                {"role": "assistant", "content": f"⚠️ {exc.field}: {getattr(exc, 'message', exc)}"},
             ]
-            yield history, None, render_progress({}), None, None, gr.skip(), f"**Error** — {exc}"
+            note = f"**Error** — {exc}"
+            yield out(
+                chatbot=history,
+                message=None,
+                progress=render_progress({}),
+                preview=None,
+                run_id=None,
+                status=note,
+            )
             return
         history += [{"role": "user", "content": user_content}, {"role": "assistant", "content": ""}]
         stages: dict[int, dict[str, Any]] = {}
         streamed = ""
+        spoken = speaker_start(resolved.request_id)
+        chunks = 0
         last_update = 0.0
-        yield (
-            history,
-            None,
-            render_progress(stages),
-            None,
-            resolved.request_id,
-            gr.skip(),
-            f"Running… seed {resolved.seed}",
+        yield out(
+            chatbot=history,
+            message=None,
+            progress=render_progress(stages, labels),
+            preview=None,
+            run_id=resolved.request_id,
+            status=f"Running… seed {resolved.seed}",
+            **({"speaker": spoken, "audio_in": None} if speaking else {}),
         )
         runs = studio.run(
             resolved,
@@ -272,8 +431,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             async for rid, event in runs:
                 if isinstance(event, Queued):
                     ahead = f"{event.ahead} ahead of you" if event.ahead else "next in line"
-                    note = f"Queued… {ahead} · seed {resolved.seed}"
-                    yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), rid, gr.skip(), note
+                    yield out(run_id=rid, status=f"Queued… {ahead} · seed {resolved.seed}")
                 elif isinstance(event, StageStarted):
                     stages[event.stage_id] = {
                         "kind": event.kind,
@@ -282,7 +440,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                         "status": "running",
                     }
                     running = f"Running… seed {resolved.seed}"
-                    yield gr.skip(), gr.skip(), render_progress(stages), gr.skip(), rid, gr.skip(), running
+                    yield out(progress=render_progress(stages, labels), run_id=rid, status=running)
                 elif isinstance(event, (TokenProgress, DiffusionStep)):
                     stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
                     stage.update(step=event.step, total=event.total)
@@ -292,28 +450,27 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                     if has_preview or now - last_update >= UI_UPDATE_INTERVAL_S:
                         last_update = now
                         preview_update = preview if has_preview else gr.skip()
-                        yield (
-                            gr.skip(),
-                            gr.skip(),
-                            render_progress(stages),
-                            preview_update,
-                            rid,
-                            gr.skip(),
-                            gr.skip(),
+                        yield out(
+                            progress=render_progress(stages, labels), preview=preview_update, run_id=rid
                         )
+                elif isinstance(event, AudioDelta):
+                    if event.samples.size:  # every chunk goes out at once: it is sound the listener waits for
+                        spoken += speaker_chunk(chunks, event)
+                        chunks += 1
+                        yield out(speaker=spoken, run_id=rid)
                 elif isinstance(event, TextDelta):
                     streamed += event.text
                     history[-1] = {"role": "assistant", "content": streamed}
                     now = time.monotonic()
                     if now - last_update >= UI_UPDATE_INTERVAL_S / 4:
                         last_update = now
-                        yield history, gr.skip(), gr.skip(), gr.skip(), rid, gr.skip(), gr.skip()
+                        yield out(chatbot=history, run_id=rid)
                 elif isinstance(event, StageFinished):
                     stage = stages.setdefault(event.stage_id, {"kind": event.kind})
                     stage.update(status=event.status, seconds=event.seconds)
                     if event.status == "succeeded":
-                        stage["step"] = stage.get("total", 0)
-                    yield gr.skip(), gr.skip(), render_progress(stages), gr.skip(), rid, gr.skip(), gr.skip()
+                        stage["step"] = stage.get("total") or stage.get("step", 0)
+                    yield out(progress=render_progress(stages, labels), run_id=rid)
                 elif isinstance(event, RunFinished):
                     content: list[Any] = []
                     if event.text:
@@ -322,51 +479,43 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                     for image in event.images:
                         image_path = studio.keep_image(image)
                         content.append({"path": image_path, "alt_text": f"seed {event.outputs[0].seed}"})
+                    for output in event.outputs:
+                        if output.audio is not None and output.audio.size:
+                            content.append(
+                                {"path": studio.keep_audio(output), "alt_text": f"seed {output.seed}"}
+                            )
                     history[-1] = {"role": "assistant", "content": content or "(no output)"}
                     seconds = sum(s.get("seconds") or 0 for s in stages.values())
-                    yield (
-                        history,
-                        gr.skip(),
-                        render_progress(stages),
-                        gr.skip(),
-                        None,
-                        image_path,
-                        f"Done in {seconds:.2f} s · seed {resolved.seed} · run `{rid[:12]}`",
+                    yield out(
+                        chatbot=history,
+                        progress=render_progress(stages, labels),
+                        run_id=None,
+                        last_image=image_path,
+                        status=f"Done in {seconds:.2f} s · seed {resolved.seed} · run `{rid[:12]}`",
+                        **({"speaker": spoken + speaker_end("done")} if speaking else {}),
                     )
                 elif isinstance(event, RunFailed):
                     note = "⏹ Stopped." if event.cancelled else f"⚠️ {event.message}"
                     history[-1] = {"role": "assistant", "content": note}
-                    yield history, gr.skip(), render_progress(stages), gr.skip(), None, gr.skip(), note
+                    yield out(
+                        chatbot=history,
+                        progress=render_progress(stages, labels),
+                        run_id=None,
+                        status=note,
+                        **({"speaker": spoken + speaker_end("stopped")} if speaking else {}),
+                    )
 
         except RunRejected as exc:
             history[-1] = {"role": "assistant", "content": f"⚠️ {exc.message}"}
-            yield (
-                history,
-                gr.skip(),
-                render_progress({}),
-                gr.skip(),
-                None,
-                gr.skip(),
-                f"**Busy** — {exc.message}",
+            yield out(
+                chatbot=history, progress=render_progress({}), run_id=None, status=f"**Busy** — {exc.message}"
             )
         finally:
             await runs.aclose()
 
-    inputs = [
-        message,
-        chatbot,
-        seed,
-        width,
-        height,
-        steps,
-        guidance,
-        negative,
-        max_tokens,
-        temperature,
-        modalities,
-        preview_every,
-    ]
-    outputs = [chatbot, message, progress, preview, run_id, last_image, status]
+    inputs = [message, chatbot, seed, width, height, steps, guidance, negative, max_tokens, temperature]
+    inputs += [modalities, preview_every, voice, reply_as, audio_in]
+    outputs = [chatbot, message, progress, preview, run_id, last_image, status, speaker, audio_in]
     message.submit(send, inputs, outputs, api_name="chat", show_progress="hidden", concurrency_id="generate")
 
     def stop_run(current: str | None) -> str:
@@ -399,15 +548,23 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         return f"Now serving **{studio.model.name}** ({studio.config.family}), config `{studio.config.hash8}`"
 
     def sync_defaults():
-        """The running pipeline's defaults (after Apply or a model switch): the next run uses them."""
+        """The running pipeline's defaults (after Apply or a model switch): the next run uses them; a model
+        that speaks shows its speech controls (its voices) instead of the image ones."""
         stage = next((s for s in studio.config.stages if s.kind == "diffusion"), None)
         params = stage.default_sampling_params if stage else {}
+        speaks, voices = studio.speaks, studio.voices()
         return (
             gr.update(value=params.get("width", 64)),
             gr.update(value=params.get("height", 64)),
             gr.update(value=params.get("num_inference_steps", 4)),
             gr.update(value=params.get("guidance_scale", 1.5)),
             gr.update(value=studio.model.name),
+            gr.update(visible=speaks),  # the voice and "reply with" row
+            gr.update(choices=voices, value=voices[0] if voices else None),
+            *(gr.update(visible=speaks) for _ in (audio_in, speaker)),
+            *(gr.update(visible=not speaks) for _ in (size_row, negative, modalities, preview_every)),
+            *(gr.update(visible=not speaks) for _ in (preview, to_source)),
+            gr.update(placeholder=PLACEHOLDERS[speaks]),
         )
 
     def note(width_v: float, height_v: float, steps_v: float) -> str:
@@ -417,7 +574,8 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
     for slider in (width, height, steps):
         slider.change(note, [width, height, steps], [size_note], api_visibility="private")
 
-    defaults_outputs = [width, height, steps, guidance, model]
+    defaults_outputs = [width, height, steps, guidance, model, speech_row, voice, audio_in, speaker]
+    defaults_outputs += [size_row, negative, modalities, preview_every, preview, to_source, message]
     switch_event = model.input(change_model, [model], [status], api_name="switch_model").then(
         sync_defaults, None, defaults_outputs, api_visibility="private"
     )
@@ -426,6 +584,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         "message": message,
         "progress": progress,
         "preview": preview,
+        "speaker": speaker,
         "status": status,
         "model": model,
         "sync_defaults": sync_defaults,
