@@ -22,7 +22,10 @@ DIT_WIDTH_TENSORS = 6
 # The VAE decode's peak: four feature maps of the decoder's largest (channels x height x width) live at
 # once: a resnet's input, its GroupNorm and SiLU outputs and the convolution's output (oneDNN's reordered
 # copy of its input at times instead). Measured: 3.9 GiB (3.75 maps of 1 GiB) at 1024x1024, 256 channels.
+# oneDNN lays channels out in blocks of 16 (AVX-512): a toy VAE of 8 channels takes maps of 16 (measured:
+# 769 MiB decoding 2048x2048 at 8 channels, 6 maps of 8 = 3 of 16; tests/test_memory_estimate.py).
 VAE_DECODE_MAPS = 4
+CHANNEL_BLOCK = 16
 # The process the in-process stages share, on the CPU: the interpreter and its libraries (torch,
 # transformers, diffusers, vLLM, the studio's server). Measured: 454 MiB after importing a vLLM stage's
 # runner, 258 MiB for a diffusers stage alone; the studio's server adds its own.
@@ -56,8 +59,11 @@ def vae_scale(vae: Mapping[str, Any]) -> int:
 def vae_largest_map(vae: Mapping[str, Any], height: int, width: int) -> int:
     """Elements of the decoder's largest feature map at ``height`` x ``width`` (AutoencoderKL's decoder:
     the channels reversed, each level after the first entered by an upsampler carrying the previous
-    level's channels at twice the size). 0 when the config has no ``block_out_channels``."""
-    channels = list(reversed(vae.get("block_out_channels") or []))
+    level's channels at twice the size; channels in blocks of :data:`CHANNEL_BLOCK`). 0 when the config
+    has no ``block_out_channels``."""
+    channels = [
+        -(-int(c) // CHANNEL_BLOCK) * CHANNEL_BLOCK for c in reversed(vae.get("block_out_channels") or [])
+    ]
     if not channels:
         return 0
     scale = vae_scale(vae)
