@@ -161,7 +161,7 @@ class MemoryEstimate:
                     f"{self.processes(device)} process(es)"
                 )
         notes.append(
-            f"margin: {MARGIN_FRACTION:.0%} of weights + copies + KV cache, at least "
+            f"margin: {MARGIN_FRACTION:.0%} of weights + copies + buffers + KV cache, at least "
             f"{format_bytes(MARGIN_FLOOR['cpu'])} on a CPU and {format_bytes(MARGIN_FLOOR['cuda'])} on a GPU "
             "(docs/memory.md)"
         )
