@@ -36,7 +36,7 @@ from studio.api.refusals import RefusalThrottle
 from studio.api.serving_jobs import StudioServingJobs, job_route_docs
 from studio.api.state import ServingState
 from studio.startup.limits import InputLimits
-from studio.store.files import served_output
+from studio.store.files import SERVED_MIMES, served_output
 
 log = logging.getLogger("omni_studio.api")
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -396,7 +396,9 @@ ERROR_DESCRIPTIONS = {
     503: "the engine is not ready (Retry-After)",
 }
 GENERATION_ERRORS = (400, 401, 404, 413, 422, 429, 500, 503)
-PNG_RESPONSE = {"content": {"image/png": {"schema": {"type": "string", "format": "binary"}}}}
+OUTPUT_RESPONSE = {
+    "content": {mime: {"schema": {"type": "string", "format": "binary"}} for mime in SERVED_MIMES}
+}
 SSE_RESPONSE = {
     "description": "a chat completion, or with `stream: true` `chat.completion.chunk` events ending in "
     "`data: [DONE]`",
@@ -450,9 +452,9 @@ ROUTE_DOCS: dict[str, dict[str, Any]] = {
         "responses": {200: SPEECH_RESPONSE, **_errors(*GENERATION_ERRORS)},
     },
     "outputs": {
-        "summary": "An output file (response_format 'url'); the key or a signed URL when a key is set",
+        "summary": "An output file (a picture or a run's audio); the key or a signed URL when a key is set",
         "response_class": FileResponse,
-        "responses": {200: PNG_RESPONSE, **_errors(401, 403, 404)},
+        "responses": {200: OUTPUT_RESPONSE, **_errors(401, 403, 404)},
     },
     **job_route_docs(_errors),
 }

@@ -65,10 +65,10 @@ SIGNED_URL_PARAMS = [
 ]
 PATH_PARAM_DOCS = {
     "model": "the served model's name (GET /v1/models lists it)",
-    "name": "an output file, `<sha256>.png`",
+    "name": "an output file, `<sha256>.png` (a picture) or `<sha256>.wav|.flac|.mp3|.ogg` (audio)",
     "job_id": "a job's id (POST /v1/studio/jobs answers with it)",
 }
-PATH_PARAM_PATTERNS = {"name": "^[0-9a-f]{64}\\.png$"}
+PATH_PARAM_PATTERNS = {"name": "^[0-9a-f]{64}\\.(png|wav|flac|mp3|ogg)$"}
 
 
 def assets_dir() -> Path:
