@@ -26,9 +26,9 @@ from engine.events import AudioDelta, TextDelta
 from engine.modality import OutputModality
 from engine.pipelines.qwen_omni import chat_messages
 from tests.conftest import tiny_deploy
+from tests.qwen_omni_reference import TALKER_MAX, generate_one_shot
 
 PROMPT = "say hello"
-THINKER_MAX, TALKER_MAX = 24, 60  # the preset's budgets (assets/deploy/tiny-qwen-omni.yaml)
 
 
 # The whole-utterance render (no chunk_size): its waveform equals the one-shot generate's sample for sample;
@@ -70,26 +70,7 @@ def one_shot_generate(one_shot, seed: int, voice: str, temperature: float) -> tu
         return_dict=True,
         return_tensors="pt",
     )
-    talker = model.config.talker_config
-    thinker = (
-        {"thinker_do_sample": True, "thinker_temperature": temperature, "thinker_top_k": 40}
-        if temperature
-        else {"thinker_do_sample": False}
-    )
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the stages' intra-op threads (docs/batching.md): the same kernels
-    try:
-        torch.manual_seed(seed)
-        sequences, wave = model.generate(
-            **inputs,
-            speaker=voice,
-            thinker_max_new_tokens=THINKER_MAX,
-            talker_max_new_tokens=TALKER_MAX,
-            talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id],
-            **thinker,
-        )
-    finally:
-        torch.set_num_threads(before)
+    sequences, wave = generate_one_shot(model, inputs, seed=seed, voice=voice, temperature=temperature)
     text = tokenizer.decode(sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return text, wave
 

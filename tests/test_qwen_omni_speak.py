@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from transformers import (
     AutoTokenizer,
     Qwen2_5OmniForConditionalGeneration,
@@ -28,9 +27,9 @@ from engine.events import FinishReason, StageFinished
 from engine.modality import OutputModality
 from engine.pipelines.qwen_omni import SPEECH_SYSTEM_PROMPT, chat_messages
 from tests.conftest import tiny_deploy
+from tests.qwen_omni_reference import THINKER_MAX, generate_one_shot
 
 PROMPT = "say hello"
-THINKER_MAX, TALKER_MAX = 24, 60  # the preset's budgets (assets/deploy/tiny-qwen-omni.yaml)
 SYSTEM = (ChatTurn("system", SPEECH_SYSTEM_PROMPT),)  # the speaking prompt, given explicitly
 
 
@@ -203,26 +202,7 @@ def test_split_engine_with_audio_in_equals_the_one_shot_generate(omni, seed, voi
     thinker = next(e for e in events if isinstance(e, StageFinished) and e.stage_id == 0)
     assert thinker.input_tokens == inputs["input_ids"].shape[1]  # the same placeholders
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
-    talker = model.config.talker_config
-    sampling = (
-        {"thinker_do_sample": True, "thinker_temperature": temperature, "thinker_top_k": 40}
-        if temperature
-        else {"thinker_do_sample": False}
-    )
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the stages' intra-op threads (docs/batching.md): the same kernels
-    try:
-        torch.manual_seed(seed)
-        sequences, wave = model.generate(
-            **inputs,
-            speaker=voice,
-            thinker_max_new_tokens=THINKER_MAX,
-            talker_max_new_tokens=TALKER_MAX,
-            talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id],
-            **sampling,
-        )
-    finally:
-        torch.set_num_threads(before)
+    sequences, wave = generate_one_shot(model, inputs, seed=seed, voice=voice, temperature=temperature)
     reply = processor.tokenizer.decode(sequences[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert output.text == reply and reply
     assert np.array_equal(output.audio, wave.numpy())
