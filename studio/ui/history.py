@@ -1,5 +1,6 @@
 """The History tab: every run from the UI, the API and the CLI — search and filters, a gallery, run
-detail with per-stage timings, Re-run with the exact parameters, Compare two runs, export/import, delete,
+detail with per-stage timings (a spoken run's audio: a player and a waveform per output, its length,
+TTFP and real-time factor), Re-run with the exact parameters, Compare two runs, export/import, delete,
 and Replay with a regression report (studio/ui/replay.py)."""
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import yaml
 
 from engine.events import RunFailed, RunFinished
 from studio.controller import Studio
+from studio.media.audio import decode_input_audio, waveform_png
 from studio.media.images import png_bytes
 from studio.ui.replay import build_replay_section
 
 PAGE_SIZE = 50
+WAVEFORM_SIZE = (640, 120)  # pixels of a run's waveform picture
 COLUMNS = ["id", "created", "source", "status", "model", "prompt", "seconds", "seed", "fingerprint", "config"]
 STATUSES = ["any", "queued", "running", "succeeded", "failed", "cancelled", "interrupted"]
 
@@ -116,9 +119,45 @@ def detail_markdown(detail: Any) -> str:
         lines.append(f"**Replay of** `{detail.replay_of}`")
     if detail.text:
         lines.append(f"**Text output:** {html.escape(detail.text[:2000])}")
+    if detail.audio_seconds is not None:  # a run that spoke (docs/speech.md "Runs, files and the CLI")
+        figures = [f"**Audio** {detail.audio_seconds:.2f} s"]
+        if detail.ttfp_seconds is not None:
+            figures.append(f"**TTFP** {detail.ttfp_seconds:.3f} s")
+        if detail.realtime_factor is not None:
+            figures.append(f"**RTF** {detail.realtime_factor:.2f}")
+        lines.append(" · ".join(figures))
     if detail.error:
         lines.append(f"<div class='omni-invalid'><b>Error:</b> {html.escape(detail.error)}</div>")
     return "\n\n".join(lines)
+
+
+def waveform_file(output: Any) -> str:
+    """A PNG of an audio output's waveform (studio/media/audio.py ``waveform_png``), drawn once per file."""
+    target = Path(tempfile.gettempdir()) / "omni-studio-waveforms" / f"{output.sha256}.png"
+    if not target.exists():
+        data = output.path.read_bytes()
+        rate = output.sample_rate or 24000
+        seconds = (output.duration_seconds or len(data) / 2 / rate) + 1  # bounds the read only
+        samples = decode_input_audio(
+            data, "wav", max_bytes=len(data), max_seconds=seconds, target_rate=rate, field="output"
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(waveform_png(samples, rate, *WAVEFORM_SIZE))
+    return str(target)
+
+
+def audio_items(detail: Any) -> list[dict[str, Any]]:
+    """What the detail shows of each audio output: its file, a label with its length, its waveform."""
+    items = []
+    for o in detail.audio:
+        seconds = f"{o.duration_seconds:.2f} s" if o.duration_seconds is not None else "? s"
+        rate = f" · {o.sample_rate / 1000:g} kHz" if o.sample_rate else ""
+        with contextlib.suppress(FileNotFoundError):  # a file removed by retention meanwhile
+            waveform = waveform_file(o)
+            items.append(
+                {"path": str(o.path), "label": f"audio {o.index} · {seconds}{rate}", "waveform": waveform}
+            )
+    return items
 
 
 def build_history_tab(studio: Studio) -> dict[str, Any]:
@@ -153,6 +192,23 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             detail = gr.Markdown("", elem_id="omni-h-detail")
             timings = gr.HTML("", elem_id="omni-h-timings")
             outputs = gr.Gallery(label="Outputs", columns=4, height=220, elem_id="omni-h-outputs")
+            audio_state = gr.State([])
+
+            @gr.render(inputs=[audio_state])
+            def audio_players(items: list[dict[str, Any]]) -> None:
+                for item in items:
+                    with gr.Row(elem_classes="omni-h-audio", equal_height=True):
+                        gr.Audio(item["path"], label=item["label"], interactive=False, scale=2)
+                        gr.Image(
+                            item["waveform"],
+                            label=f"Waveform · {item['label']}",
+                            type="filepath",
+                            interactive=False,
+                            height=WAVEFORM_SIZE[1] + 40,
+                            scale=3,
+                            elem_classes="omni-h-waveform",
+                        )
+
             with gr.Accordion("Request, parameters and config snapshot", open=False):
                 request_json = gr.JSON(label="Request as received")
                 parameters_json = gr.JSON(label="Resolved parameters")
@@ -250,12 +306,12 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     def show(run_id_v: str):
         run_id_v = (run_id_v or "").strip()
         if not run_id_v:
-            return [gr.skip()] * 7
+            return [gr.skip()] * 8
         try:
             full = store.resolve_run_id(run_id_v)
             d = store.get_run(full)
         except LookupError as exc:
-            return [str(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+            return [str(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), []]
         images = [(str(o.path), f"{o.kind} {o.index}") for o in d.outputs if o.mime.startswith("image/")]
         return (
             detail_markdown(d),
@@ -265,9 +321,19 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             d.parameters,
             yaml.safe_dump(d.config or {}, sort_keys=False),
             full,
+            audio_items(d),
         )
 
-    detail_outputs = [detail, timings, outputs, request_json, parameters_json, config_yaml, run_id]
+    detail_outputs = [
+        detail,
+        timings,
+        outputs,
+        request_json,
+        parameters_json,
+        config_yaml,
+        run_id,
+        audio_state,
+    ]
     run_id.submit(show, [run_id], detail_outputs, api_name="run_detail")
 
     def on_select(ids: list[str], evt: gr.SelectData):
@@ -341,9 +407,11 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     def do_delete(run_id_v: str, *filter_values):
         full = store.resolve_run_id((run_id_v or "").strip())
         store.delete_run(full)
-        return (f"Deleted run `{full[:12]}`.", "", *do_search(*filter_values))
+        return (f"Deleted run `{full[:12]}`.", "", [], *do_search(*filter_values))
 
-    delete.click(do_delete, [run_id, *filters], [detail, run_id, *search_outputs], api_name="delete_run")
+    delete.click(
+        do_delete, [run_id, *filters], [detail, run_id, audio_state, *search_outputs], api_name="delete_run"
+    )
 
     def do_export(*filter_values):
         from studio.store import export_bundle

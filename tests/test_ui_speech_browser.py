@@ -1,0 +1,231 @@
+"""Speech in the studio in a real browser (headless Debian Chromium, Playwright) against
+`omni-studio ui --model tiny-qwen-omni` on 127.0.0.1 (docs/speech.md "In the studio"): the voice picker,
+a spoken reply that plays (live, then as an `<audio>` in the conversation), an uploaded WAV heard as
+speech in, History playing the run, and the model picker switching the speech controls off and on.
+
+With ``OMNI_STUDIO_SCREENSHOT_DIR`` set, the Chat tab with a spoken reply is saved there as
+``chat-speech.png`` (how docs/screenshots/chat-speech.png is made).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile  # type: ignore[import-untyped]  # ships no type information
+from PIL import Image
+
+from tests.browser import open_tab, send_prompt, set_number
+from tests.servers import running_server
+
+pytestmark = pytest.mark.browser
+
+WAIT_S = 120  # bounds a hang only; every wait is on a state of the page or the store
+
+
+@pytest.fixture(scope="module")
+def studio(tmp_path_factory):
+    with running_server(
+        ["ui", "--model", "tiny-qwen-omni"], tmp_path_factory.mktemp("studio-speech")
+    ) as server:
+        yield server
+
+
+def wait_js(page, expression: str, arg: Any = None) -> Any:
+    return page.wait_for_function(expression, arg=arg, timeout=WAIT_S * 1000)
+
+
+def wait_text(page, selector: str, text: str) -> None:
+    wait_js(page, "([s, t]) => (document.querySelector(s)?.innerText || '').includes(t)", [selector, text])
+
+
+def recorded(studio, find: Any) -> Any:
+    """The run ``find(store)`` names, once the studio's recorder has written its outcome."""
+    from studio.store import open_store
+
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        with open_store(None, studio.data_dir) as store, contextlib.suppress(LookupError):
+            run = store.get_run(find(store))
+            if run.status not in ("queued", "running") and (run.status != "succeeded" or run.outputs):
+                return run
+        assert time.monotonic() < deadline, "the run was never recorded as expected"
+        time.sleep(0.2)
+
+
+def chat_run(page, studio, after: str = "") -> Any:
+    """The Chat tab's run once it is done (the status line names its id's first 12 characters); ``after``:
+    the id of the run before it, whose line must give way first."""
+    wait_js(
+        page,
+        "([s, t, before]) => { const line = document.querySelector(s)?.innerText || '';"
+        " return line.includes(t) && !(before && line.includes(before)); }",
+        ["#omni-chat-status", "Done in", after[:12]],
+    )
+    match = re.search(r"run ([0-9a-f]{12})", page.inner_text("#omni-chat-status"))
+    assert match, page.inner_text("#omni-chat-status")
+    return recorded(studio, lambda store: store.resolve_run_id(match.group(1)))
+
+
+def ready_duration(page, audio) -> float:
+    """An `<audio>` element's duration in seconds once the browser has read its metadata."""
+    handle = audio.element_handle()
+    wait_js(page, "a => a.readyState >= 1 && a.duration > 0", handle)
+    return float(handle.evaluate("a => a.duration"))
+
+
+def test_the_voice_picker_lists_the_models_voices(page):
+    page.locator("#omni-voice input").click()
+    options = page.get_by_role("option")
+    options.first.wait_for()
+    # Each option's name (the selected one is ticked: "✓" on a line before it).
+    assert [o.split()[-1] for o in options.all_inner_texts()] == ["Chelsie", "Ethan"]
+    page.keyboard.press("Escape")
+    assert page.locator("#omni-voice input").input_value() == "Chelsie"  # the default voice first
+    reply_as = page.locator("#omni-reply-as")
+    for choice in ("text+audio", "audio", "text"):
+        assert reply_as.get_by_label(choice, exact=True).count() == 1
+    # The speech controls replace the image ones.
+    assert page.locator("#omni-audio-in").is_visible()
+    assert not page.locator("#omni-width").is_visible() and not page.locator("#omni-modalities").is_visible()
+
+
+def test_a_spoken_reply_plays_as_it_streams_and_stays_in_the_conversation(page, studio):
+    prompt = f"say hello {uuid.uuid4().hex[:8]}"
+    set_number(page, "omni-seed", "7")
+    page.locator("#omni-voice input").click()
+    page.get_by_role("option", name="Ethan", exact=True).click()
+    send_prompt(page, prompt)
+    run = chat_run(page, studio)
+    assert run.status == "succeeded" and run.parameters["voice"] == "Ethan" and run.seed == 7
+    (stored,) = run.audio
+    assert stored.duration_seconds and stored.duration_seconds > 0
+
+    # The live speaker played every chunk as it came: as many seconds as the stored reply.
+    speaker = page.locator("#omni-speaker [data-chunks]")
+    wait_js(page, "e => e.dataset.state === 'spoken'", speaker.element_handle())
+    assert int(speaker.get_attribute("data-chunks") or 0) >= 1
+    assert float(speaker.get_attribute("data-seconds") or 0) == pytest.approx(
+        stored.duration_seconds, abs=1e-3
+    )
+    assert speaker.get_attribute("data-context") == "running"  # the page's audio clock is going
+
+    # The finished reply: its transcript, and a player of the very WAV the run store keeps (the chatbot
+    # shows each part of a message in a bubble of its own).
+    bubbles = page.locator("#omni-chatbot [data-testid='bot']")
+    assert run.text and bubbles.nth(-2).inner_text().strip() == run.text.strip()
+    reply = bubbles.last
+    audio = reply.locator("audio[src]")
+    assert audio.get_attribute("src")
+    assert ready_duration(page, audio) == pytest.approx(stored.duration_seconds, abs=0.05)
+    link = page.locator("#omni-chatbot a[href$='.wav']").last.get_attribute("href")  # its download button
+    assert link
+    served = httpx.get(link if link.startswith("http") else studio.url + link, timeout=WAIT_S)
+    assert served.status_code == 200
+    assert hashlib.sha256(served.content).hexdigest() == stored.sha256
+    # Pressing play plays it: its clock moves.
+    reply.get_by_role("button", name=re.compile("play", re.I)).first.click()
+    wait_js(page, "a => a.currentTime > 0", audio.element_handle())
+
+    progress = page.inner_text("#omni-progress")
+    for label in ("stage 0 · thinker", "stage 1 · talker", "stage 2 · code2wav", "tokens", "codes"):
+        assert label in progress, label
+    assert page.locator("#omni-progress [data-status='succeeded']").count() == 3
+
+    target = os.environ.get("OMNI_STUDIO_SCREENSHOT_DIR")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(target) / "chat-speech.png"))
+
+
+def tone(path: Path, seconds: float = 1.0, rate: int = 16000) -> Path:
+    t = np.arange(int(seconds * rate)) / rate
+    soundfile.write(path, (0.4 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, subtype="PCM_16")
+    return path
+
+
+def test_an_uploaded_wav_is_heard_as_speech_in(page, studio, tmp_path):
+    prompt = f"what do you hear {uuid.uuid4().hex[:8]}"
+    set_number(page, "omni-seed", "3")
+    send_prompt(page, prompt)  # first without audio: the baseline prompt length
+    plain = chat_run(page, studio)
+
+    page.set_input_files("#omni-audio-in input[type=file]", str(tone(tmp_path / "tone.wav")))
+    page.locator("#omni-audio-in audio[src]").wait_for(state="attached")  # the clip is loaded
+    send_prompt(page, prompt)
+    heard = chat_run(page, studio, after=plain.id)
+    assert heard.id != plain.id and heard.status == "succeeded"
+    # The thinker read the clip: its audio positions lengthen the prompt.
+    assert heard.input_tokens and plain.input_tokens and heard.input_tokens > plain.input_tokens
+    # The clip is in the conversation as the user's turn, and the box is empty again for the next one.
+    clip = page.locator("#omni-chatbot [data-testid='user'] audio[src]").last
+    assert ready_duration(page, clip) == pytest.approx(1.0, abs=0.05)
+    assert page.locator("#omni-audio-in audio[src]").count() == 0
+
+
+def test_history_plays_a_spoken_run_with_its_figures_and_waveform(page, studio):
+    prompt = f"say it again {uuid.uuid4().hex[:8]}"
+    response = httpx.post(
+        studio.url + "/v1/chat/completions",
+        timeout=WAIT_S,
+        json={
+            "messages": [{"role": "user", "content": prompt}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": "Chelsie", "format": "wav"},
+            "seed": 11,
+        },
+    )
+    assert response.status_code == 200, response.text
+    run = recorded(studio, lambda store: response.headers["x-run-id"])
+    (stored,) = run.audio
+    assert run.ttfp_seconds is not None and run.realtime_factor is not None
+
+    open_tab(page, "History")
+    page.fill("#omni-h-search textarea, #omni-h-search input", prompt)
+    page.click("#omni-h-find")
+    wait_text(page, "#omni-h-table", prompt)
+    page.locator("#omni-h-table").get_by_text(prompt).filter(visible=True).first.click()
+    wait_text(page, "#omni-h-detail", prompt)
+    detail = " ".join(page.inner_text("#omni-h-detail").split())
+    assert f"Audio {run.audio_seconds:.2f} s" in detail
+    assert f"TTFP {run.ttfp_seconds:.3f} s" in detail and f"RTF {run.realtime_factor:.2f}" in detail
+
+    row = page.locator(".omni-h-audio").first
+    row.wait_for()
+    assert f"audio 0 · {stored.duration_seconds:.2f} s" in row.inner_text()
+    assert ready_duration(page, row.locator("audio[src]")) == pytest.approx(stored.duration_seconds, abs=0.05)
+    # The waveform picture: the requested size, and the wave drawn in it (not a blank image).
+    src = row.locator(".omni-h-waveform img").get_attribute("src")
+    assert src
+    picture = httpx.get(src if src.startswith("http") else studio.url + src, timeout=WAIT_S)
+    pixels = np.asarray(Image.open(io.BytesIO(picture.content)).convert("RGB"))
+    assert pixels.shape == (120, 640, 3)
+    assert (pixels == (37, 99, 235)).all(axis=-1).sum() > 640  # the wave's colour, at least a line's worth
+
+
+def test_the_model_picker_turns_the_speech_controls_off_and_on(page):
+    """Last in this module: it switches the module's studio to tiny-chat and back."""
+    picker = page.locator("#omni-model input")
+    picker.click()
+    page.get_by_role("option", name="tiny-chat", exact=True).click()
+    try:
+        wait_text(page, "#omni-chat-status", "Now serving tiny-chat")
+        page.locator("#omni-voice").wait_for(state="hidden", timeout=WAIT_S * 1000)
+        page.locator("#omni-modalities").wait_for(timeout=WAIT_S * 1000)  # the image/text controls are back
+        assert not page.locator("#omni-audio-in").is_visible()
+    finally:
+        picker.click()
+        page.get_by_role("option", name="tiny-qwen-omni", exact=True).click()
+        wait_text(page, "#omni-chat-status", "Now serving tiny-qwen-omni")
+    page.locator("#omni-voice").wait_for(timeout=WAIT_S * 1000)
+    assert page.locator("#omni-audio-in").is_visible() and not page.locator("#omni-modalities").is_visible()
