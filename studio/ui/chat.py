@@ -180,8 +180,8 @@ def heard_audio(studio: Studio, path: str | None) -> tuple[Any, ...]:
     """An uploaded or recorded clip as the model hears it (float32 mono 16 kHz), within the API's limits."""
     if not path:
         return ()
-    fmt, limits = "mp3" if Path(path).suffix.lower() == ".mp3" else "wav", studio.serving.options.limits
-    data = Path(path).read_bytes()
+    data, limits = Path(path).read_bytes(), studio.serving.options.limits
+    fmt = "wav" if data[:4] == b"RIFF" else "mp3"  # by what the bytes are (a recording's name says .wav)
     return (
         decode_input_audio(data, fmt, max_bytes=limits.max_audio_bytes, max_seconds=limits.max_audio_seconds),
     )
