@@ -112,6 +112,7 @@ class RowWise:
     dtype: torch.dtype
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    device: torch.device | None = None  # where its inputs live (a product: its weight's device)
     mode: RowMode = RowMode.TILED
     tile: int = ROW_TILES[0]
     _weight_t: torch.Tensor | None = field(default=None, repr=False)
@@ -125,6 +126,7 @@ class RowWise:
             weight.dtype,
             weight=weight,
             bias=bias,
+            device=weight.device,
         )
 
     def __call__(self, x: torch.Tensor, live: int) -> torch.Tensor:
@@ -160,7 +162,7 @@ class RowWise:
 
 
 def _random(generator: torch.Generator, rows: int, f: RowWise) -> torch.Tensor:
-    device = f.weight.device if f.weight is not None else torch.device("cpu")
+    device = f.device or torch.device("cpu")
     return torch.randn(rows, f.width, generator=generator).to(dtype=f.dtype, device=device)
 
 

@@ -76,7 +76,7 @@ class _LayerPlan:
             return up * act(gate)
 
         def norm(name: str, module: Any) -> RowWise:
-            return RowWise(name, _norm_of(module), width, module.weight.dtype)
+            return RowWise(name, _norm_of(module), width, module.weight.dtype, device=module.weight.device)
 
         gate_up = mlp.gate_up_proj
         return cls(
@@ -87,7 +87,13 @@ class _LayerPlan:
             post_self_attn_norm=norm("post_self_attn_norm", layer.post_self_attn_layernorm),
             post_attention_norm=norm("post_attention_norm", layer.post_attention_layernorm),
             gate_up=RowWise.product("gate_up", gate_up.weight, gate_up.bias),
-            activation=RowWise("activation", activation, gate_up.weight.shape[0], gate_up.weight.dtype),
+            activation=RowWise(
+                "activation",
+                activation,
+                gate_up.weight.shape[0],
+                gate_up.weight.dtype,
+                device=gate_up.weight.device,
+            ),
             down=RowWise.product("down", mlp.down_proj.weight, mlp.down_proj.bias),
             post_mlp_norm=norm("post_mlp_norm", layer.post_mlp_layernorm),
         )
@@ -139,7 +145,9 @@ class GlmImageDecoder:
         # Per layer: q, k and v in one product, norms and weights without module lookups.
         self.layers = [_LayerPlan.of(layer) for layer in self.text.layers]
         norm = self.text.norm
-        self.final_norm = RowWise("final_norm", _norm_of(norm), config.hidden_size, norm.weight.dtype)
+        self.final_norm = RowWise(
+            "final_norm", _norm_of(norm), config.hidden_size, norm.weight.dtype, device=norm.weight.device
+        )
         self.lm_head = RowWise.product("lm_head", model.lm_head.weight, model.lm_head.bias)
         self.padding = RowPadding()
 

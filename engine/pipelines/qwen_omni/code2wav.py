@@ -138,15 +138,18 @@ class Code2WavStage(StageRunner):
 
     def noise(self, job: StageJob, frames: int) -> torch.Tensor:
         """The ODE's starting point: the next normal draws of the stream the talker left (the request's
-        seed when there is none), on a generator of this stage's own."""
-        generator = torch.Generator()
+        seed when there is none), on a generator of this stage's own. On a GPU the one-shot model draws
+        it on the GPU from the CUDA stream, so the draw happens there too (the same samples on a GPU as
+        the one-shot there, measured by bench/gpu_speech_check.py)."""
+        on_cuda = self.device.type == "cuda"
+        generator = torch.Generator(device=self.device) if on_cuda else torch.Generator()
         state = job.inputs.get("rng_state")
         if state is None:
             generator.manual_seed(int(job.params["seed"]))
         else:
-            generator.set_state(state["cpu"])
+            generator.set_state(state["cuda" if on_cuda else "cpu"])
         mels = self.model.code2wav_dit_model.mel_dim
-        return torch.randn((1, frames, mels), generator=generator).to(self.device)
+        return torch.randn((1, frames, mels), generator=generator, device=generator.device).to(self.device)
 
     def render(self, job: StageJob) -> torch.Tensor:
         """The request's codes as float32 samples (1-D, on the CPU)."""
