@@ -25,6 +25,7 @@ import pytest
 import soundfile  # type: ignore[import-untyped]  # ships no type information
 from PIL import Image
 
+from studio.store import RunFilter
 from tests.browser import open_tab, send_prompt, set_number
 from tests.servers import running_server
 
@@ -211,6 +212,27 @@ def test_history_plays_a_spoken_run_with_its_figures_and_waveform(page, studio):
     pixels = np.asarray(Image.open(io.BytesIO(picture.content)).convert("RGB"))
     assert pixels.shape == (120, 640, 3)
     assert (pixels == (37, 99, 235)).all(axis=-1).sum() > 640  # the wave's colour, at least a line's worth
+
+
+def test_stop_silences_the_reply_and_frees_the_engine(page, studio):
+    prompt = f"a long answer to stop {uuid.uuid4().hex[:8]}"
+    set_number(page, "omni-max-tokens", "1024")  # the thinker's: long enough to be stopped mid-way
+    send_prompt(page, prompt)
+    page.wait_for_selector("#omni-progress [data-stage='0'][data-status='running']", timeout=WAIT_S * 1000)
+    page.click("#omni-stop")
+    wait_text(page, "#omni-chat-status", "Stopped")
+    assert "Stopped" in page.inner_text("#omni-chatbot")
+    speaker = page.locator("#omni-speaker [data-chunks]")
+    wait_js(page, "e => e.dataset.state === 'stopped'", speaker.element_handle())
+    run = recorded(studio, lambda store: store.list_runs(RunFilter(search=prompt), limit=1)[0].id)
+    assert run.status == "cancelled" and not run.audio
+    # The engine is free: the next spoken request is answered.
+    response = httpx.post(
+        studio.url + "/v1/audio/speech",
+        timeout=WAIT_S,
+        json={"model": "tiny-qwen-omni", "input": "after stop", "voice": "Chelsie"},
+    )
+    assert response.status_code == 200 and response.content[:4] == b"RIFF"
 
 
 def test_the_model_picker_turns_the_speech_controls_off_and_on(page):

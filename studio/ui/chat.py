@@ -348,7 +348,9 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                 )
                 negative = gr.Textbox(label="Negative prompt", lines=1, visible=not speaks)
                 with gr.Row():
-                    max_tokens = gr.Slider(1, 1024, value=64, step=1, label="Max tokens (text models)")
+                    max_tokens = gr.Slider(
+                        1, 1024, value=64, step=1, label="Max tokens (text models)", elem_id="omni-max-tokens"
+                    )
                     temperature = gr.Slider(0, 2, value=0.8, step=0.05, label="Temperature (text models)")
                 modalities = gr.CheckboxGroup(
                     ["text", "image", "token_ids"],
