@@ -8,7 +8,6 @@ streamed, and the finished reply's WAV in the conversation.
 
 from __future__ import annotations
 
-import base64
 import html
 import time
 from pathlib import Path
@@ -32,9 +31,10 @@ from engine.modality import OutputModality
 from studio.api.inputs import params_from_fields
 from studio.cli.progress import stage_labels
 from studio.controller import Studio
-from studio.media.audio import AudioError, decode_input_audio, pcm16_chunk
+from studio.media.audio import AudioError, decode_input_audio
 from studio.runs.service import Queued, RunRejected
 from studio.ui.recipe import build_recipe_drop, connect_recipe_drop
+from studio.ui.speaker import SPEAKER_IDLE, SPEAKER_JS, speaker_chunk, speaker_end, speaker_start
 
 # The UI coalesces progress: every yield costs the (GIL-sharing) server a diff and a message, and the tiny
 # models make thousands of tokens a second.
@@ -97,83 +97,10 @@ def history_turns(history: list[dict[str, Any]]) -> tuple[ChatTurn, ...]:
     return tuple(turns)
 
 
-# The live speaker: an HTML block the reply's audio is appended to, chunk by chunk, as base64 pcm16 (Gradio
-# sends an appended string as its tail only); its script (SPEAKER_JS) plays each new chunk right after the
-# last through the Web Audio API, and stops at Stop. Gradio's own streaming audio output needs ffmpeg.
-SPEAKER_IDLE = "<div class='omni-live'><span class='omni-live-label'>Spoken replies play here</span></div>"
-SPEAKER_JS = """
-const st = {ctx: null, run: null, played: -1, next: 0, sources: [], seconds: 0, state: 'idle'};
-const show = () => {
-  const context = st.ctx ? st.ctx.state : 'none';
-  Object.assign(element.dataset, {state: st.state, seconds: st.seconds.toFixed(3), chunks: st.played + 1, context});
-  const label = element.querySelector('.omni-live-label');
-  if (label && st.run) label.textContent = `Live audio: ${st.state} · ${st.seconds.toFixed(2)} s`;
-};
-const stop = () => {
-  for (const s of st.sources) { try { s.stop(); } catch (e) {} }
-  Object.assign(st, {sources: [], next: 0, state: st.run ? 'stopped' : st.state});
-  show();
-};
-const play = (chunk) => {
-  const raw = atob(chunk.dataset.pcm), n = raw.length >> 1;
-  if (!n) return;
-  st.ctx = st.ctx || new AudioContext();
-  if (st.ctx.state === 'suspended') st.ctx.resume();
-  const buffer = st.ctx.createBuffer(1, n, Number(chunk.dataset.rate)), data = buffer.getChannelData(0);
-  for (let i = 0; i < n; i++) {
-    const v = raw.charCodeAt(2 * i) | (raw.charCodeAt(2 * i + 1) << 8);
-    data[i] = (v > 32767 ? v - 65536 : v) / 32767;
-  }
-  const source = st.ctx.createBufferSource(), at = Math.max(st.ctx.currentTime + 0.05, st.next);
-  source.buffer = buffer;
-  source.connect(st.ctx.destination);
-  source.start(at);
-  st.next = at + buffer.duration;
-  st.sources.push(source);
-  source.onended = () => { st.sources = st.sources.filter((s) => s !== source); };
-  st.seconds += buffer.duration;
-};
-const update = () => {
-  const root = element.querySelector('.omni-live');
-  const run = (root && root.dataset.run) || null;
-  if (run !== st.run) {
-    stop();
-    Object.assign(st, {run, played: -1, seconds: 0, state: run ? 'speaking' : 'idle'});
-  }
-  for (const chunk of root ? root.querySelectorAll('.omni-live-chunk') : []) {
-    const seq = Number(chunk.dataset.seq);
-    if (seq <= st.played) continue;
-    st.played = seq;
-    if (st.state === 'speaking') play(chunk);
-  }
-  const end = root && root.querySelector('.omni-live-end');
-  if (end && end.dataset.state === 'stopped') stop();
-  else if (end && st.state === 'speaking') st.state = 'spoken';
-  show();
-};
-watch('value', update);
-update();
-document.addEventListener('click', (e) => { if (e.target.closest && e.target.closest('#omni-stop')) stop(); }, true);
-"""
-
-
 PLACEHOLDERS = {
     False: "Describe an image (attach a source image for image-to-image) and press Enter",
     True: "Say something (or add a recording below) and press Enter",
 }
-
-
-def speaker_start(run_id: str) -> str:
-    return f"<div class='omni-live' data-run='{html.escape(run_id)}'><span class='omni-live-label'></span>"
-
-
-def speaker_chunk(seq: int, delta: AudioDelta) -> str:
-    pcm, rate = base64.b64encode(pcm16_chunk(delta.samples)).decode(), delta.sample_rate
-    return f"<i class='omni-live-chunk' data-seq='{seq}' data-rate='{rate}' data-pcm='{pcm}'></i>"
-
-
-def speaker_end(state: str) -> str:
-    return f"<i class='omni-live-end' data-state='{state}'></i>"
 
 
 def heard_audio(studio: Studio, path: str | None) -> tuple[Any, ...]:
@@ -362,26 +289,51 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                     0, 10, value=1, step=1, label="Preview every k steps (0: none)", visible=not speaks
                 )
     run_id = gr.State(None)
+    # The speech inputs reach send() as state (gr.State is no API parameter): /chat keeps its 12 inputs.
+    speech = gr.State({"voice": voices[0] if voices else None, "reply_as": "text+audio", "audio": None})
+
+    def keep_speech(voice_v: str | None, reply_as_v: str, audio_v: str | None) -> dict[str, Any]:
+        return {"voice": voice_v, "reply_as": reply_as_v, "audio": audio_v}
+
+    for control in (voice, reply_as, audio_in):
+        control.change(keep_speech, [voice, reply_as, audio_in], [speech], api_visibility="private")
     last_image = gr.State(None)
 
     # What send() updates, in order; out(name=value) leaves the others as they are.
+    # (the status stays last: API clients of /chat read it as the last value)
     output_names: tuple[str, ...] = ("chatbot", "message", "progress", "preview", "run_id", "last_image")
-    output_names += ("status", "speaker", "audio_in")
+    output_names += ("speaker", "audio_in", "status")
 
     def out(**changes: Any) -> tuple[Any, ...]:
         return tuple(changes.get(name, gr.skip()) for name in output_names)
 
-    async def send(request: gr.Request, message_value, history, *values):
-        """``values``: the inputs after the message and the conversation, in build_request's order."""
+    async def send(
+        message_value,
+        history,
+        seed_v,
+        width_v,
+        height_v,
+        steps_v,
+        guidance_v,
+        negative_v,
+        max_tokens_v,
+        temperature_v,
+        modalities_v,
+        preview_every_v,
+        speech_v,
+        request: gr.Request,
+    ):
         history = list(history or [])
+        speech_v = speech_v or {}
+        voice_v, reply_as_v, audio_v = speech_v.get("voice"), speech_v.get("reply_as"), speech_v.get("audio")
         text = (message_value or {}).get("text", "") or ""
         files = (message_value or {}).get("files") or []
         user_content: list[Any] = []
         if files:
             user_content.append({"path": files[-1]["path"] if isinstance(files[-1], dict) else files[-1]})
         speaking = studio.speaks
-        if values[-1] and speaking:
-            user_content.append({"path": values[-1]})
+        if audio_v and speaking:
+            user_content.append({"path": audio_v})
         if text:
             user_content.append(text)
         if not user_content:
@@ -391,8 +343,24 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             return
         labels = speech_labels(studio)
         try:
-            values = (*values[:-1], values[-1] if speaking else None)  # the clip only for a model that hears
-            engine_request = build_request(studio, message_value, history, *values)
+            engine_request = build_request(
+                studio,
+                message_value,
+                history,
+                seed_v,
+                width_v,
+                height_v,
+                steps_v,
+                guidance_v,
+                negative_v,
+                max_tokens_v,
+                temperature_v,
+                modalities_v,
+                preview_every_v,
+                voice_v,
+                reply_as_v,
+                audio_v if speaking else None,
+            )
             resolved = studio.resolve(engine_request)
         except (RequestError, AudioError) as exc:
             history += [
@@ -516,8 +484,8 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
             await runs.aclose()
 
     inputs = [message, chatbot, seed, width, height, steps, guidance, negative, max_tokens, temperature]
-    inputs += [modalities, preview_every, voice, reply_as, audio_in]
-    outputs = [chatbot, message, progress, preview, run_id, last_image, status, speaker, audio_in]
+    inputs += [modalities, preview_every, speech]
+    outputs = [chatbot, message, progress, preview, run_id, last_image, speaker, audio_in, status]
     message.submit(send, inputs, outputs, api_name="chat", show_progress="hidden", concurrency_id="generate")
 
     def stop_run(current: str | None) -> str:
