@@ -195,11 +195,9 @@ class StageWorker:
                 if self._held_back(first):
                     self.cond.wait(HOLD_POLL_S)
                     continue
-                # A client with one request in flight never shares a batch with clients holding several:
-                # its job runs in a batch of other such jobs, so a busy client's batch cannot set its
-                # pace (docs/batching.md, "Fair admission").
-                load = self.engine.client_load.snapshot()
-                single = load[first.client] <= 1
+                # A heavy client's jobs never share a batch with other clients' jobs: a busy client's
+                # batch cannot set a light client's pace (docs/batching.md, "Fair admission").
+                heavy = self.engine.client_load.heavy(first.client)
                 self._take(first)
                 try:
                     key = self.runner.batch_key(first.job)
@@ -221,7 +219,7 @@ class StageWorker:
                     self.queue.remove(ticket)
                     failed.append((ticket, exc))
                     continue
-                if same and (load[ticket.client] <= 1) == single:
+                if same and self.engine.client_load.heavy(ticket.client) == heavy:
                     self._take(ticket)
                     batch.append(ticket)
             self.running += 1

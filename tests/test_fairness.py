@@ -141,10 +141,11 @@ def test_waiting_requests_are_served_round_robin_across_clients(tmp_path):
 
 
 def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(tmp_path):
-    """Fair admission (docs/batching.md): one client holds all three AR slots with long decodes and queues
+    """Fair admission (docs/batching.md): one client holds all four AR slots with long decodes and queues
     more; another client's short request joins the running steps at once, so it starts and finishes its
-    decode while the busy rows are still decoding. Lighter clients first: the newcomer steps alone (1
-    row, not max_num_seqs' 3), every busy row paused meanwhile. Without it, the newcomer would wait for a
+    decode while the busy rows are still decoding. Lighter clients first: the busy client is heavy (4
+    rows, engine/client_load.py), so the newcomer steps alone (1 row, not max_num_seqs' 4), every busy
+    row paused meanwhile. Without it, the newcomer would wait for a
     slot (a busy decode has ~16x its tokens), then decode in full steps beside the busy rows. The paused
     rows lose nothing: their pictures equal the ones they draw alone."""
     import threading
@@ -152,7 +153,7 @@ def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(
     from engine import GenerationParams, GenerationRequest, build_engine
     from engine.events import RunFinished, StageFinished, StageStarted
 
-    deploy = tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 3})
+    deploy = tiny_deploy("tiny-glm-image", stage0={"max_num_seqs": 4})
     engine = build_engine("tiny-glm-image", deploy, data_dir=tmp_path)
     log: list[tuple[str, str, int]] = []  # (event, request name, step rows)
     images: dict[str, bytes] = {}
@@ -182,10 +183,10 @@ def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(
             return [name for event, name, _ in log if event == kind]
 
     try:
-        for name in ("busy-1", "busy-2", "busy-3"):
+        for name in ("busy-1", "busy-2", "busy-3", "busy-4"):
             run(name, "busy", 256)
-        wait_for(lambda: len(names("started")) == 3, 60)
-        run("busy-4", "busy", 64)  # queued: every slot is taken by the busy client
+        wait_for(lambda: len(names("started")) == 4, 60)
+        run("busy-5", "busy", 64)  # queued: every slot is taken by the busy client
         wait_for(lambda: engine.waiting_depths()[0] == 1, 30)
         run("quiet", "quiet", 64)
         wait_for(lambda: "quiet" in images, 120)
@@ -196,8 +197,8 @@ def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(
         busy_finished = [i for i, e in enumerate(events) if e[0] == "finished" and e[1].startswith("busy")]
         assert not busy_finished or min(busy_finished) > finished_quiet, events  # decoded beside both
         assert events[finished_quiet][2] == 1, events  # lighter client first: every busy row paused
-        assert "busy-4" not in names("started")[: started_quiet + 1], events  # ahead of the queued one
-        wait_for(lambda: len(images) == 5, 300)
+        assert "busy-5" not in names("started")[: started_quiet + 1], events  # ahead of the queued one
+        wait_for(lambda: len(images) == 6, 300)
         for name in ("busy-1", "busy-3"):  # busy rows: paused while the newcomer decoded
             alone = engine.run(request(name, "alone", 256))
             assert alone.images[0].tobytes() == images[name], name
@@ -206,16 +207,16 @@ def test_a_newcomer_joins_the_running_decode_beside_a_client_holding_every_slot(
 
 
 def test_a_quiet_clients_job_runs_in_a_denoise_batch_of_its_own(tmp_path):
-    """A client with one job at the DiT stage never shares a batch with a client holding several
-    (engine/workers.py, docs/batching.md): while a long denoise holds the stage, a busy client queues
-    three jobs and a quiet one queues one; the busy three run as one batch, the quiet job in a batch of
-    its own (FIFO batching would put all four together, the quiet one paced by the busy batch)."""
+    """A heavy client's jobs never share a batch with other clients' (engine/workers.py,
+    docs/batching.md): while a long denoise holds the stage, a busy client queues four jobs and a quiet
+    one queues one; the busy four run as one batch, the quiet job in a batch of its own (FIFO batching
+    would put the quiet one into the busy batch, paced by it)."""
     import threading
 
     from engine import GenerationParams, GenerationRequest, build_engine
     from engine.events import RunFinished, StageFinished, StageStarted
 
-    deploy = tiny_deploy("tiny-glm-image", stage1={"max_num_seqs": 4})
+    deploy = tiny_deploy("tiny-glm-image", stage1={"max_num_seqs": 5})
     engine = build_engine("tiny-glm-image", deploy, data_dir=tmp_path)
     batch_sizes: dict[str, int] = {}
     started: list[str] = []
@@ -240,21 +241,21 @@ def test_a_quiet_clients_job_runs_in_a_denoise_batch_of_its_own(tmp_path):
     try:
         run("blocker", "blocker", 400)  # a long denoise: the others queue at stage 1 behind it
         wait_for(lambda: "blocker" in started, 60)
-        for i in range(3):
+        for i in range(4):
             run(f"busy-{i}", "busy", 2)
         run("quiet", "quiet", 2)
-        wait_for(lambda: engine.waiting_depths()[1] == 4 or "blocker" in finished, 60)
-        assert engine.waiting_depths()[1] == 4, "the blocker ended before the others queued behind it"
-        wait_for(lambda: len(finished) == 5, 300)
+        wait_for(lambda: engine.waiting_depths()[1] == 5 or "blocker" in finished, 60)
+        assert engine.waiting_depths()[1] == 5, "the blocker ended before the others queued behind it"
+        wait_for(lambda: len(finished) == 6, 300)
         assert batch_sizes["quiet"] == 1, batch_sizes
-        assert [batch_sizes[f"busy-{i}"] for i in range(3)] == [3, 3, 3], batch_sizes
+        assert [batch_sizes[f"busy-{i}"] for i in range(4)] == [4, 4, 4, 4], batch_sizes
     finally:
         engine.close()
 
 
 def test_a_heavier_clients_batch_waits_while_a_lighter_request_is_in_flight(tmp_path, monkeypatch):
-    """Lighter clients first across stages (engine/client_load.py): two jobs of a busy client wait at the
-    DiT stage behind a long denoise; a quiet client's request is decoding its tokens when the denoise
+    """Lighter clients first across stages (engine/client_load.py): four jobs of a busy (heavy) client
+    wait at the DiT stage behind a long denoise; a quiet client's request is decoding its tokens when the denoise
     ends. The busy batch is held back (here without a time limit) until the quiet request reaches the
     stage, which then denoises it first, instead of the busy batch taking the stage while the quiet
     request decodes and the quiet one waiting for it."""
@@ -290,16 +291,18 @@ def test_a_heavier_clients_batch_waits_while_a_lighter_request_is_in_flight(tmp_
     try:
         run("blocker", "blocker", 300)
         wait_for(lambda: "blocker" in started, 60)
-        run("busy-0", "busy", 2)
-        run("busy-1", "busy", 2)
-        wait_for(lambda: engine.waiting_depths()[1] == 2 or "blocker" in finished, 60)
-        assert engine.waiting_depths()[1] == 2, "the blocker ended before the busy jobs queued behind it"
+        for i in range(4):  # a heavy client (engine/client_load.py)
+            run(f"busy-{i}", "busy", 2)
+        wait_for(lambda: engine.waiting_depths()[1] == 4 or "blocker" in finished, 60)
+        assert engine.waiting_depths()[1] == 4, "the blocker ended before the busy jobs queued behind it"
         run("quiet", "quiet", 2)
         assert decoding.wait(60)
         wait_for(lambda: "blocker" in finished, 120)
         release.set()
-        wait_for(lambda: len(finished) == 4, 120)
-        assert started == ["blocker", "quiet", "busy-0", "busy-1"], started
+        wait_for(lambda: len(finished) == 6, 120)
+        assert started[:2] == ["blocker", "quiet"] and sorted(started[2:]) == [
+            f"busy-{i}" for i in range(4)
+        ], started
     finally:
         release.set()
         engine.close()

@@ -38,6 +38,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from engine.client_load import yields_to
 from engine.events import FinishReason, StageStatus, TokenProgress
 from engine.modality import OutputModality
 from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, intra_op_threads_for
@@ -328,9 +329,10 @@ class TransformersARStage(StageRunner):
         return None
 
     def _stepping(self, rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
-        """The rows that take a step now and those paused. Lighter clients first: while rows of several
-        clients decode, only those of the clients holding the fewest rows step, so a quiet client's
-        request decodes at its alone speed beside a client with many in flight (engine/client_load.py).
+        """The rows that take a step now and those paused. Lighter clients first: a heavy client's rows
+        (``yields_to``: at least 4, and twice the fewest any client holds) pause while a much lighter
+        client's rows decode, so a quiet client's request decodes at its alone speed beside a client with
+        many in flight (engine/client_load.py); clients of similar weight step together.
         Past max_num_seqs (the engine's fair admission gave a client with nothing here a row while
         another held several), the client holding the most stepping rows has its newest paused until the
         count is back at max_num_seqs. A paused row keeps its cache and logits and resumes when the step
@@ -338,10 +340,11 @@ class TransformersARStage(StageRunner):
         limit = max(1, self.max_batch_size)
         held = Counter(row.job.client for row in rows)
         fewest = min(held.values(), default=0)
-        if len(rows) <= limit and max(held.values(), default=0) == fewest:
+        yielding = {client for client, count in held.items() if yields_to(count, fewest)}
+        if len(rows) <= limit and not yielding:
             return rows, []
-        stepping = [row for row in rows if held[row.job.client] == fewest]
-        paused = [row for row in rows if held[row.job.client] != fewest]
+        stepping = [row for row in rows if row.job.client not in yielding]
+        paused = [row for row in rows if row.job.client in yielding]
         while len(stepping) > limit:
             counts = Counter(row.job.client for row in stepping)
             most = max(counts.values())
