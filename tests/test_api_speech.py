@@ -23,6 +23,7 @@ from engine import GenerationRequest
 from studio.media.audio import read_audio_recipe
 from studio.store import RunFilter, open_store
 from tests.servers import running_server
+from tests.test_abort import wait_for
 
 MODEL = "tiny-qwen-omni"
 RATE = 24000
@@ -92,16 +93,6 @@ def error_of(exc: openai.APIStatusError) -> dict:
 
 def speech(server, **body) -> httpx.Response:
     return httpx.post(server.url + "/v1/audio/speech", json={"model": MODEL, **body}, timeout=120)
-
-
-def wait_for(predicate, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not met in time")
 
 
 # -- /v1/models -----------------------------------------------------------------------------------

@@ -8,28 +8,18 @@ import json
 import signal
 import socket
 import threading
-import time
 
 import httpx
 
 from studio.store import RunFilter, open_store
 from tests.servers import start_server
+from tests.test_abort import wait_for
 
 pytest_plugins = ["conftest_store"]
 
 
 def chat(prompt: str, **fields) -> dict:
     return {"messages": [{"role": "user", "content": prompt}], **fields}
-
-
-def wait_for(predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not met in time")
 
 
 def test_concurrent_requests_and_failures_are_all_recorded(db_url, tmp_path):
