@@ -223,7 +223,9 @@ def test_stop_silences_the_reply_and_frees_the_engine(page, studio):
     wait_text(page, "#omni-chat-status", "Stopped")
     assert "Stopped" in page.inner_text("#omni-chatbot")
     speaker = page.locator("#omni-speaker [data-chunks]")
-    wait_js(page, "e => e.dataset.state === 'stopped'", speaker.element_handle())
+    # Silent after Stop: 'stopped' when the speaker had begun this run, 'idle' when Stop came before its
+    # first update (under load); never 'speaking' or 'spoken'.
+    wait_js(page, "e => ['stopped', 'idle'].includes(e.dataset.state)", speaker.element_handle())
     run = recorded(studio, lambda store: store.list_runs(RunFilter(search=prompt), limit=1)[0].id)
     assert run.status == "cancelled" and not run.audio
     # The engine is free: the next spoken request is answered.
