@@ -47,6 +47,7 @@ class GenerationParams:
     n: int = 1
     preview_every: int = 0  # decode a preview every k denoising steps (0: none)
     voice: str | None = None  # speech: the speaker (families with audio output; None: the model's default)
+    speed: float | None = None  # speech: tempo, pitch kept (0.25-4.0; engine/tempo.py; None: as spoken)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}

@@ -16,6 +16,7 @@ import pytest
 import soundfile
 
 from engine import OmniEngine, build_engine
+from engine.tempo import SLACK
 from studio.cli import main
 from studio.media.audio import read_audio_recipe
 from studio.store import open_store
@@ -136,6 +137,16 @@ def test_modalities_choose_what_the_run_makes(run, tmp_path: Path) -> None:
     assert stdout_audio.splitlines()[0].startswith(str(out))  # no text reply to print
 
 
+def test_speed_makes_a_shorter_file_and_is_recorded(run, tmp_path: Path) -> None:
+    spoken, fast = tmp_path / "spoken.wav", tmp_path / "fast.wav"
+    assert run("say hello", "--out", str(spoken), "--seed", "3")[0] == 0
+    code, stdout, stderr = run("say hello", "--out", str(fast), "--seed", "3", "--speed", "1.5")
+    assert code == 0, stderr
+    assert soundfile.info(fast).frames == round(soundfile.info(spoken).frames / 1.5) + SLACK
+    assert read_audio_recipe(fast.read_bytes())["parameters"]["speed"] == 1.5
+    assert recorded_runs(run.data_dir)[-1].parameters["speed"] == 1.5
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -159,6 +170,10 @@ def test_modalities_choose_what_the_run_makes(run, tmp_path: Path) -> None:
         (
             ["--modalities", "image", "--out", "x.png"],
             "modalities: tiny-qwen-omni produces text+audio; cannot produce image",
+        ),
+        (
+            ["--out", "hi.wav", "--speed", "9"],
+            "speed: must be a number from 0.25 to 4 (1.0: as spoken), got 9.0",
         ),
         (
             ["--modalities", "text", "--out", "hi.wav"],

@@ -25,6 +25,7 @@ from engine.engine import OmniEngine, build_engine
 from engine.events import AudioDelta, TextDelta
 from engine.modality import OutputModality
 from engine.pipelines.qwen_omni import chat_messages
+from engine.tempo import SLACK, stretch
 from tests.conftest import tiny_deploy
 from tests.qwen_omni_reference import TALKER_MAX, generate_one_shot
 
@@ -148,6 +149,42 @@ def test_a_voice_on_a_model_without_audio_is_refused(chat_engine):
     with pytest.raises(RequestError) as info:
         chat_engine.resolve(GenerationRequest("hi", GenerationParams(voice="Chelsie")))
     assert info.value.field == "voice" and "no audio" in info.value.message
+
+
+def test_speed_stretches_the_utterance_and_keeps_its_words(omni):
+    """``speed`` (engine/tempo.py) on the whole render: the same speech, stretched, recorded."""
+    spoken = omni.run(speak()).outputs[0]
+    events = events_of(omni, speak(speed=2.0))
+    fast = events[-1].outputs[0]
+    assert fast.text == spoken.text  # the tempo changes the sound, not the words
+    assert np.array_equal(fast.audio, stretch(spoken.audio, 2.0))
+    assert fast.audio.size == round(spoken.audio.size / 2) + SLACK
+    assert np.array_equal(
+        np.concatenate([e.samples for e in events if isinstance(e, AudioDelta)]), fast.audio
+    )
+    assert omni.resolve(speak(speed=2.0)).parameters["speed"] == 2.0
+    assert "speed" not in omni.resolve(speak()).parameters  # as spoken: nothing recorded, nothing changed
+
+
+@pytest.mark.parametrize(
+    ("speed", "modalities", "words"),
+    [
+        (5.0, None, "from 0.25 to 4"),
+        (0.1, None, "from 0.25 to 4"),
+        ("fast", None, "a number"),
+        (2.0, (OutputModality.TEXT,), "no audio"),
+    ],
+)
+def test_a_bad_speed_is_refused_naming_the_field(omni, speed, modalities, words):
+    with pytest.raises(RequestError) as info:
+        omni.resolve(speak(speed=speed, modalities=modalities))
+    assert info.value.field == "speed" and words in info.value.message
+
+
+def test_speed_on_a_model_without_audio_is_refused(chat_engine):
+    with pytest.raises(RequestError) as info:
+        chat_engine.resolve(GenerationRequest("hi", GenerationParams(speed=1.5)))
+    assert info.value.field == "speed" and "no audio" in info.value.message
 
 
 @pytest.mark.parametrize("field", ["height", "negative_prompt"])

@@ -25,6 +25,7 @@ from engine.modality import OutputAccumulator, OutputModality
 from engine.models import describe_model
 from engine.stages.base import StageJob
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed, chunking_problems
+from engine.tempo import stretch
 from tests.conftest import tiny_deploy
 
 CHUNK = 12  # codes per chunk: one DiT attention block of the tiny model
@@ -95,6 +96,18 @@ def test_chunks_arrive_in_order_and_join_into_the_runs_audio(streaming):
     steps = [e for e in events if isinstance(e, DiffusionStep) and e.stage_id == 2]
     assert [s.step for s in steps] == list(range(1, len(chunks) + 1))
     assert steps[-1].total == len(chunks) and all(s.total == 0 for s in steps[:-1])
+
+
+def test_a_stretched_stream_is_the_whole_utterance_stretched(streaming):
+    """``speed`` while streaming: each chunk goes through the stretcher as it comes (engine/tempo.py);
+    joined, the deltas are the run's audio, and that is the unstretched utterance stretched at once."""
+    spoken = events_of(streaming, speak())[-1].outputs[0].audio
+    events = events_of(streaming, speak(speed=0.5))
+    slow = events[-1].outputs[0].audio
+    assert np.array_equal(slow, stretch(spoken, 0.5))
+    chunks = chunks_of(events)
+    assert len(chunks) >= 3 and np.array_equal(np.concatenate(chunks), slow)
+    assert chunks[0].size > 0  # the first chunk is heard at once, stretched
 
 
 def test_the_first_chunk_is_heard_while_the_talker_is_still_speaking(streaming):

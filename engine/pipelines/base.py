@@ -21,6 +21,7 @@ from engine.request import (
     random_seed,
 )
 from engine.stages.base import StageRunner
+from engine.tempo import MAX_SPEED, MIN_SPEED
 
 AR_REQUEST_KEYS = ("temperature", "top_p", "top_k", "max_tokens")
 DIFFUSION_REQUEST_KEYS = ("height", "width", "num_inference_steps", "guidance_scale", "negative_prompt")
@@ -90,6 +91,22 @@ class PipelineFamily(ABC):
                 "voice",
                 f"{config.model_name} produces {format_output_modalities(produced)}, no audio, so it has no "
                 "voices; drop voice or choose a model that speaks",
+            )
+        speed = request.params.speed
+        if speed is not None and OutputModality.AUDIO not in modalities:
+            raise RequestError(
+                "speed",
+                f"speed sets the tempo of speech and this request makes "
+                f"{format_output_modalities(tuple(modalities))}, no audio; drop speed or ask for audio",
+            )
+        if speed is not None and (
+            isinstance(speed, bool)
+            or not isinstance(speed, int | float)
+            or not MIN_SPEED <= speed <= MAX_SPEED  # NaN fails this too
+        ):
+            raise RequestError(
+                "speed",
+                f"must be a number from {MIN_SPEED:g} to {MAX_SPEED:g} (1.0: as spoken), got {speed!r}",
             )
 
         seed = request.params.seed

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import json
 from typing import Any
 
 import numpy as np
 
-from engine import GenerationRequest, OmniEngine
+from engine import OmniEngine
 from engine.events import RunOutput
 from engine.modality import OutputModality, format_output_modalities
 from studio.api.errors import APIError
@@ -27,12 +26,6 @@ from studio.startup.limits import InputLimits
 
 # chat's ``audio.format`` names -> studio/media/audio.py's (OpenAI calls raw 16-bit pcm ``pcm16`` there)
 CHAT_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "pcm16": "pcm"}
-
-
-def engine_takes(name: str) -> bool:
-    """Whether this engine's :class:`GenerationRequest` has the field ``name`` (``speak_text``,
-    ``input_audio``): the API offers what needs it only when it does."""
-    return any(item.name == name for item in dataclasses.fields(GenerationRequest))
 
 
 def produced(engine: OmniEngine) -> tuple[OutputModality, ...]:
@@ -130,8 +123,6 @@ def input_audio_clips(
                     f"{field}: only the last message's audio is heard; send earlier turns as text",
                     field,
                 )
-            if not engine_takes("input_audio"):
-                raise APIError(400, f"{field}: this server's engine does not take audio input yet", field)
             clips.append(decode_clip(part.input_audio.data, part.input_audio.format, field, limits))
             paths.append(field)
     return paths, clips

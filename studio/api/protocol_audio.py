@@ -1,7 +1,7 @@
 """Request and response models of the API's audio (docs/speech.md, "The API"): ``POST /v1/audio/speech``,
 the ``audio`` and ``input_audio`` fields of chat completions, and ``message.audio`` in replies.
 
-OpenAI's shapes; what this server cannot do is refused by name (``aac``, a ``speed`` other than 1.0, a
+OpenAI's shapes; what this server cannot do is refused by name (``aac``, a
 compressed format in a stream), never dropped.
 """
 
@@ -40,7 +40,10 @@ class SpeechRequest(StrictAudio):
     voice: str | VoiceID | None = Field(None, description="one of the model's voices (GET /v1/models)")
     response_format: SpeechFormat = "wav"
     speed: float = Field(
-        1.0, ge=0.25, le=4.0, description="only 1.0: the server does not time-stretch (docs/speech.md)"
+        1.0,
+        ge=0.25,
+        le=4.0,
+        description="tempo, the pitch kept: 2.0 says it in half the time (docs/speech.md)",
     )
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream_format: Literal["sse", "audio"] | None = Field(

@@ -14,7 +14,6 @@ carry the run id and ``X-System-Fingerprint`` (the body is audio: it has nowhere
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from fastapi import Request, Response
@@ -27,7 +26,6 @@ from studio.api.audio_io import (
     check_speaks,
     check_voice,
     encode_output,
-    engine_takes,
     pcm16_b64,
     voice_name,
 )
@@ -48,11 +46,6 @@ from studio.api.serving_chat import sse
 from studio.media.audio import AUDIO_FORMATS, pcm16_chunk, streaming_wav_header
 from studio.runs.service import RunRejected
 
-NO_SPEAK_TEXT = (
-    "this engine cannot make the thinker say `input` yet (no GenerationRequest.speak_text): the audio "
-    "speaks the model's reply to it"
-)
-
 
 class StreamAborted(RuntimeError):
     """The run failed after a raw audio stream began: the connection is cut so the client sees a broken
@@ -69,18 +62,18 @@ class OpenAIServingSpeech(OpenAIServing):
         voice = voice_name(request.voice)
         check_voice(self.engine, self.served_model_name, voice, "voice")
         prompt = request.input if not request.instructions else f"{request.instructions}\n\n{request.input}"
-        extra: dict[str, Any] = {}
-        if engine_takes("speak_text"):
-            extra["speak_text"] = request.input
         engine_request = GenerationRequest(
             prompt,
-            GenerationParams(seed=request.seed, voice=voice, num_inference_steps=request.num_inference_steps),
+            GenerationParams(
+                seed=request.seed,
+                voice=voice,
+                num_inference_steps=request.num_inference_steps,
+                speed=None if request.speed == 1.0 else request.speed,  # 1.0: as spoken, not stretched
+            ),
             modalities=(OutputModality.AUDIO,),
-            **extra,
+            speak_text=request.input,
         )
         resolved, tracker = self.start_run(engine_request, payload)
-        if not extra:
-            resolved = replace(resolved, warnings=(*resolved.warnings, NO_SPEAK_TEXT))
         headers = {**reply_headers(resolved, tracker), **fingerprint_headers(self.system_fingerprint)}
         fmt = request.response_format
         if request.stream_format is None:
@@ -108,7 +101,7 @@ class OpenAIServingSpeech(OpenAIServing):
         )
 
     def check_fields(self, request: SpeechRequest) -> None:
-        """``input`` (not blank, within ``--max-speech-chars``), ``instructions``, ``speed`` and a streamable
+        """``input`` (not blank, within ``--max-speech-chars``), ``instructions`` and a streamable
         ``response_format`` when streaming: a 400 naming the field and what is allowed."""
         limits = self.context.limits
         if not request.input.strip():
@@ -123,14 +116,6 @@ class OpenAIServingSpeech(OpenAIServing):
             )
         check_text(request.instructions, "instructions", limits)
         check_generation_limits(request.model_dump(include={"num_inference_steps"}), limits)
-        if request.speed != 1.0:
-            raise APIError(
-                400,
-                f"speed {request.speed:g} is not supported: only 1.0. This server does not time-stretch "
-                "speech (resampling would change its pitch too; docs/speech.md)",
-                "speed",
-                "unsupported_value",
-            )
         if request.stream_format is not None and request.response_format not in STREAMABLE_SPEECH_FORMATS:
             raise APIError(
                 400,

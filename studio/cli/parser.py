@@ -276,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the speaker of a model that speaks (e.g. Chelsie, Ethan)",
     )
     r.add_argument(
+        "--speed",
+        type=float,
+        default=None,
+        metavar="X",
+        help="tempo of the speech, the pitch kept: 0.25 to 4.0 (2: twice as fast); default: as spoken",
+    )
+    r.add_argument(
         "--modalities",
         default=None,
         metavar="M",

@@ -28,6 +28,7 @@ from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, om
 from engine.request import RequestError
 from engine.stages.base import StageCancelled, StageJob, StageRunner, intra_op_threads_for
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
+from engine.tempo import Tempo, stretch
 
 SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
 VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a chunk (docs/speech.md)
@@ -77,8 +78,8 @@ class Code2WavStage(StageRunner):
                     samples = self.render(job)
             except StageCancelled:
                 continue
-            job.add_output({"audio": samples, "sample_rate": SAMPLE_RATE})
-            job.emit(AudioDelta(job.request_id, job.index, self.stage_id, samples.numpy(), SAMPLE_RATE))
+            samples = torch.from_numpy(stretch(samples.numpy(), speed_of(job)))
+            self.send(job, samples)
 
     def stream(self, job: StageJob, feed: ChunkFeed) -> None:
         """Render the codes in chunks of ``chunk_size`` as the talker publishes them: one AudioDelta
@@ -86,6 +87,8 @@ class Code2WavStage(StageRunner):
         plan = ChunkPlan.of(self.model, int(self.stage.engine_args.chunk_size or 1))
         speaker, reference = self.conditioning(job)
         noise = SeededNoise(int(job.params["seed"]), self.model.code2wav_dit_model.mel_dim)
+        speed = speed_of(job)
+        tempo = Tempo(speed) if speed != 1.0 else None
         start, rendered = 0, 0
         while True:
             needed = plan.window(start, None)[1]
@@ -111,8 +114,9 @@ class Code2WavStage(StageRunner):
             wave = self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
             per_code = plan.repeats * plan.hop
             samples = wave[(start - low) * per_code : (end - low) * per_code].clone()
-            job.add_output({"audio": samples, "sample_rate": SAMPLE_RATE})
-            job.emit(AudioDelta(job.request_id, job.index, self.stage_id, samples.numpy(), SAMPLE_RATE))
+            if tempo is not None:
+                samples = torch.from_numpy(tempo.push(samples.numpy()))
+            self.send(job, samples)
             rendered += 1
             last = final and end >= total
             job.emit(
@@ -121,10 +125,15 @@ class Code2WavStage(StageRunner):
                 )
             )
             start = end
-        if not rendered:  # nothing to speak: an empty utterance, as a whole render gives
-            empty = torch.zeros(0, dtype=torch.float32)
-            job.add_output({"audio": empty, "sample_rate": SAMPLE_RATE})
-            job.emit(AudioDelta(job.request_id, job.index, self.stage_id, empty.numpy(), SAMPLE_RATE))
+        if tempo is not None:  # the stretcher's last samples (for an empty utterance: none)
+            self.send(job, torch.from_numpy(tempo.finish()))
+        elif not rendered:  # nothing to speak: an empty utterance, as a whole render gives
+            self.send(job, torch.zeros(0, dtype=torch.float32))
+
+    def send(self, job: StageJob, samples: torch.Tensor) -> None:
+        """Add ``samples`` to the request's audio and hand them on (an AudioDelta)."""
+        job.add_output({"audio": samples, "sample_rate": SAMPLE_RATE})
+        job.emit(AudioDelta(job.request_id, job.index, self.stage_id, samples.numpy(), SAMPLE_RATE))
 
     def conditioning(self, job: StageJob) -> tuple[torch.Tensor, torch.Tensor]:
         """The voice's speaker embedding (1, E) and reference mel (1, frames, mels), float32 here."""
@@ -213,6 +222,11 @@ class Code2WavStage(StageRunner):
         if report:
             job.emit(DiffusionStep(job.request_id, job.index, self.stage_id, step=steps, total=steps))
         return trajectory[-1].permute(0, 2, 1)
+
+
+def speed_of(job: StageJob) -> float:
+    """The request's tempo (1.0: as spoken; engine/tempo.py)."""
+    return float(job.params.get("speed") or 1.0)
 
 
 def _codes_in(inputs: Mapping[str, Any]) -> int:

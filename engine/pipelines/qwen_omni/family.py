@@ -106,7 +106,7 @@ class QwenOmniFamily(PipelineFamily):
                     key,
                     f"{config.model_name} ({self.name}) makes speech, not images: {key} does not apply; it "
                     "takes max_tokens, temperature, top_p, top_k (the thinker's), num_inference_steps, "
-                    "guidance_scale (code2wav's), voice, seed, n",
+                    "guidance_scale (code2wav's), voice, speed, seed, n",
                 )
         wanted = request.modalities or self.final_modalities(config)
         voice = request.params.voice or default_voice(())
@@ -137,6 +137,8 @@ class QwenOmniFamily(PipelineFamily):
                 if key in defaults:
                     talker[key] = defaults[key]
         if CODE2WAV in stage_params:
+            if request.params.speed is not None:  # checked in resolve_request; applied by code2wav
+                stage_params[CODE2WAV]["speed"] = float(request.params.speed)
             steps = int(stage_params[CODE2WAV].get("num_inference_steps") or 0)
             if not 2 <= steps <= 1000:
                 raise RequestError(
