@@ -577,6 +577,18 @@ class TransformersARStage(StageRunner):
             raise StageCancelled()
         if prepared is None:
             prepared = self.prepare(job)
+        kwargs, hook = self.generate_call(job, prepared)
+        with GLOBAL_RNG_LOCK, torch.inference_mode():
+            torch.manual_seed(int(job.params["seed"]))
+            output = self.model.generate(**kwargs)
+        generated = self.generated_tokens(job, output, prepared, hook)
+        extras = self.finish(job, generated, prepared)
+        if extras:
+            job.add_output(extras)
+
+    def generate_call(self, job: StageJob, prepared: ARInputs) -> tuple[dict[str, Any], _StreamHook]:
+        """``generate``'s arguments for one request, with the hook that streams its tokens and stops it
+        when cancelled; records the prompt's length and budget on the job."""
         job.scratch["max_new_tokens"] = prepared.max_new_tokens
         job.input_tokens = prepared.prompt_length
         hook = _StreamHook(self, job, prepared.prompt_length, prepared.max_new_tokens)
@@ -587,19 +599,20 @@ class TransformersARStage(StageRunner):
             **prepared.generate_kwargs,
             "stopping_criteria": StoppingCriteriaList([hook]),
         }
-        seed = int(job.params["seed"])
-        with GLOBAL_RNG_LOCK, torch.inference_mode():
-            torch.manual_seed(seed)
-            output = self.model.generate(**kwargs)
+        return kwargs, hook
+
+    def generated_tokens(
+        self, job: StageJob, sequences: torch.Tensor, prepared: ARInputs, hook: _StreamHook
+    ) -> torch.Tensor:
+        """The new tokens of ``generate``'s output (on the CPU): the last ones streamed, the token counts
+        and the finish reason recorded (raises StageCancelled when the request was cancelled)."""
         if job.cancelled:
             raise StageCancelled()
-        generated = output[0, prepared.prompt_length :].detach().cpu()
+        generated = sequences[0, prepared.prompt_length :].detach().cpu()
         if generated.numel() > hook.seen:  # the last token(s) after the final hook call
             self.emit_delta(job, generated[hook.seen :], generated)
         job.output_tokens = int(generated.numel())
         job.finish_reason = (
             FinishReason.LENGTH if generated.numel() >= prepared.max_new_tokens else FinishReason.STOP
         )
-        extras = self.finish(job, generated, prepared)
-        if extras:
-            job.add_output(extras)
+        return generated

@@ -12,16 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import StoppingCriteriaList
 
-from engine.events import FinishReason
 from engine.pipelines.qwen_omni.checkpoint import rng_state, set_rng_state
 from engine.stages.ar_transformers import (
     GLOBAL_RNG_LOCK,
     ARInputs,
     TransformersARStage,
-    _StreamHook,
-    sampling_kwargs,
 )
 from engine.stages.base import StageCancelled, StageJob, intra_op_threads_for
 from engine.streaming import publish_partial
@@ -66,16 +62,7 @@ class OmniARStage(TransformersARStage):
         if prepared is None:
             job.add_output({**self.empty_outputs(job), **({"rng_state": state} if state is not None else {})})
             return
-        job.scratch["max_new_tokens"] = prepared.max_new_tokens
-        job.input_tokens = prepared.prompt_length
-        hook = _StreamHook(self, job, prepared.prompt_length, prepared.max_new_tokens)
-        kwargs = {
-            **prepared.model_inputs,
-            **sampling_kwargs(job.params),
-            **self._generation_limits(job, prepared),
-            **prepared.generate_kwargs,
-            "stopping_criteria": StoppingCriteriaList([hook]),
-        }
+        kwargs, hook = self.generate_call(job, prepared)
         with GLOBAL_RNG_LOCK, torch.inference_mode():
             if state is None:
                 torch.manual_seed(int(job.params["seed"]))
@@ -83,14 +70,6 @@ class OmniARStage(TransformersARStage):
                 set_rng_state(state, self.device)
             result = self.model.generate(**kwargs)
             after = rng_state(self.device)
-        if job.cancelled:
-            raise StageCancelled()
         sequences = result if isinstance(result, torch.Tensor) else result.sequences
-        generated = sequences[0, prepared.prompt_length :].detach().cpu()
-        if generated.numel() > hook.seen:  # the last token(s) after the final hook call
-            self.emit_delta(job, generated[hook.seen :], generated)
-        job.output_tokens = int(generated.numel())
-        job.finish_reason = (
-            FinishReason.LENGTH if generated.numel() >= prepared.max_new_tokens else FinishReason.STOP
-        )
+        generated = self.generated_tokens(job, sequences, prepared, hook)
         job.add_output({**self.outputs(job, generated, prepared, result), "rng_state": after})
