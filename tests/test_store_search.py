@@ -264,3 +264,60 @@ def test_prune_files_removes_only_old_unreferenced_files(store: RunStore) -> Non
     assert not orphan.exists() and fresh.exists() and store.file_path(used, "text/plain").exists()
     assert store.prune_files(min_age_seconds=0) == (1, len(b"its row is about to be written"))
     assert orphan_sha != fresh_sha
+
+
+def test_output_kind_keeps_the_runs_that_spoke_and_lists_their_figures(store: RunStore) -> None:
+    """``RunFilter(output_kind=...)``: the History tab's "Output" filter (docs/speech.md "In the studio")."""
+    now = datetime.now(UTC)
+
+    def run(prompt: str, minutes: int, outputs: list[tuple[str, bytes]], audio=None) -> str:
+        run_id = store.create_run(
+            source="api",
+            prompt=prompt,
+            model="m",
+            request={},
+            parameters={},
+            created_at=now - timedelta(minutes=minutes),
+        )
+        for index, (mime, data) in enumerate(outputs):
+            duration = 1.5 if mime == "audio/wav" else None
+            store.add_output(
+                run_id, index, data, mime, duration_seconds=duration, sample_rate=24000 if duration else None
+            )
+        store.finish_run(run_id, "succeeded", audio=audio)
+        return run_id
+
+    figures = {"ttfp_seconds": 0.25, "audio_seconds": 1.5, "realtime_factor": 0.5}
+    spoke = run("say good night", 1, [("audio/wav", b"RIFF one"), ("text/plain", b"good night")], figures)
+    twice = run("say it twice", 2, [("audio/wav", b"RIFF two"), ("audio/wav", b"RIFF three")], figures)
+    drew = run("draw a night sky", 3, [("image/png", b"png")])
+    wrote = run("write good night", 4, [("text/plain", b"good night")])
+    silent = run("say nothing", 5, [], {"ttfp_seconds": None, "audio_seconds": 0.0, "realtime_factor": None})
+
+    def ids(**flt) -> list[str]:
+        return [r.id for r in store.list_runs(RunFilter(**flt), limit=100)]
+
+    assert ids(output_kind="audio") == [spoke, twice]  # a run that asked for audio and said nothing: not
+    assert ids(output_kind="image") == [drew]
+    assert ids(output_kind="text") == [spoke, wrote]
+    assert ids(output_kind=["audio", "image"]) == [spoke, twice, drew]
+    assert ids(output_kind="audio", search="GOOD NIGHT") == [spoke]  # with the prompt search
+    assert ids(search="good night") == [spoke, wrote]
+    assert store.count_runs(RunFilter(output_kind="audio")) == 2
+    assert store.count_matching(RunFilter(output_kind="audio")).value == 2
+    assert silent in ids()
+    with pytest.raises(ValueError, match="unknown output kind 'sound'; one of: image, text, source, audio"):
+        ids(output_kind="sound")
+
+    # The list's rows carry a spoken run's figures, how many audio outputs it has and the first one's file.
+    rows = {r.id: r for r in store.list_runs(limit=100)}
+    first = rows[twice]
+    assert (first.audio_count, first.image_count) == (2, 0)
+    assert first.audio_sha256 == store.get_run(twice).audio[0].sha256
+    assert (first.audio_seconds, first.ttfp_seconds, first.realtime_factor) == (1.5, 0.25, 0.5)
+    assert (
+        rows[drew].audio_count == 0 and rows[drew].audio_sha256 is None and rows[drew].audio_seconds is None
+    )
+    assert rows[drew].image_count == 1 and rows[drew].thumbnail_sha256
+    assert rows[silent].audio_seconds == 0.0 and rows[silent].audio_count == 0
+    assert rows[spoke].to_dict()["audio_seconds"] == 1.5

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, joinedload, selectinload
 from studio.store import search
 from studio.store.base import COUNT_CAP, FTS_DRIVE_LIMIT, StoreBase
 from studio.store.errors import AmbiguousRunId, RunNotFound
-from studio.store.models import RUN_SOURCES, RUN_STATUSES, ConfigSnapshot, Output, Run
+from studio.store.models import OUTPUT_KINDS, RUN_SOURCES, RUN_STATUSES, ConfigSnapshot, Output, Run
 from studio.store.records import (
     OutputRecord,
     RunCount,
@@ -230,6 +230,15 @@ class RunQueries(StoreBase):
             conditions.append(Run.replay_of == flt.replay_of)
         if flt.replays is not None:
             conditions.append(Run.replay_of.is_not(None) if flt.replays else Run.replay_of.is_(None))
+        if flt.output_kind is not None:
+            kinds = [flt.output_kind] if isinstance(flt.output_kind, str) else list(flt.output_kind)
+            unknown = [k for k in kinds if k not in OUTPUT_KINDS]
+            if unknown:
+                raise ValueError(f"unknown output kind {unknown[0]!r}; one of: {', '.join(OUTPUT_KINDS)}")
+            # A correlated EXISTS on outputs(run_id): the run's own few outputs are looked at.
+            conditions.append(
+                select(Output.id).where(Output.run_id == Run.id, Output.kind.in_(kinds)).exists()
+            )
         if flt.since is not None:
             conditions.append(Run.created_at >= as_datetime(flt.since))
         if flt.until is not None:
@@ -273,6 +282,9 @@ class RunQueries(StoreBase):
             Run.config_hash,
             Run.error,
             Run.replay_of,
+            Run.ttfp_seconds,
+            Run.audio_seconds,
+            Run.realtime_factor,
         )
         with self._read() as session:
             statement = self._filtered(select(*columns), filter, session)
@@ -285,21 +297,26 @@ class RunQueries(StoreBase):
                 statement = statement.offset(max(0, offset))
             rows = session.execute(statement).all()
             ids = [row.id for row in rows]
-            counts: dict[str, int] = {}
-            thumbs: dict[str, str] = {}
+            # Per kind (image, audio): how many outputs each run has, and its first one's file.
+            counts: dict[tuple[str, str], int] = {}
+            firsts: dict[tuple[str, str], str] = {}
             if ids:
-                images = session.execute(
-                    select(Output.run_id, Output.index, Output.sha256).where(
-                        Output.run_id.in_(ids), Output.kind == "image"
+                shown = session.execute(
+                    select(Output.run_id, Output.kind, Output.index, Output.sha256).where(
+                        Output.run_id.in_(ids), Output.kind.in_(("image", "audio"))
                     )
                 ).all()
-                for run_id, index, sha in images:
-                    counts[run_id] = counts.get(run_id, 0) + 1
+                for run_id, kind, index, sha in shown:
+                    counts[run_id, kind] = counts.get((run_id, kind), 0) + 1
                     if index == 0:
-                        thumbs[run_id] = sha
+                        firsts[run_id, kind] = sha
         return [
             RunSummary(
-                **row._asdict(), image_count=counts.get(row.id, 0), thumbnail_sha256=thumbs.get(row.id)
+                **row._asdict(),
+                image_count=counts.get((row.id, "image"), 0),
+                thumbnail_sha256=firsts.get((row.id, "image")),
+                audio_count=counts.get((row.id, "audio"), 0),
+                audio_sha256=firsts.get((row.id, "audio")),
             )
             for row in rows
         ]

@@ -87,6 +87,12 @@ class RunSummary:
     image_count: int
     thumbnail_sha256: str | None  # the first image, for galleries
     replay_of: str | None = None  # the run this one replays (docs/replay.md); None for a fresh run
+    # Runs that speak (docs/speech.md "Runs, files and the CLI"); None otherwise.
+    ttfp_seconds: float | None = None
+    audio_seconds: float | None = None
+    realtime_factor: float | None = None
+    audio_count: int = 0  # audio outputs
+    audio_sha256: str | None = None  # the first audio output, for players in lists
 
     @property
     def seconds(self) -> float | None:
@@ -160,7 +166,8 @@ class RunFilter:
     ``config_hash`` may be a prefix (the 8 digits shown in fingerprints); ``since``/``until`` bound
     ``created_at`` (inclusive), as datetimes (naive ones are taken as UTC) or ``time.time()`` stamps.
     ``replay_of`` keeps the replays of one run; ``replays`` True keeps only replays, False only the runs
-    that replay nothing (docs/replay.md).
+    that replay nothing (docs/replay.md). ``output_kind`` keeps the runs with at least one output of that
+    kind (``audio``: the runs that spoke; one of ``models.OUTPUT_KINDS``) or of any of several.
     """
 
     search: str | None = None
@@ -173,6 +180,7 @@ class RunFilter:
     until: datetime | float | None = None
     replay_of: str | None = None
     replays: bool | None = None
+    output_kind: str | Sequence[str] | None = None
 
 
 @dataclass(frozen=True)
