@@ -253,3 +253,59 @@ def test_ls_into_a_closed_pipe_stops_quietly(history: dict[str, str], db_url: st
     err = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_ls_shows_a_spoken_runs_audio_ttfp_and_rtf_and_filters_by_output(
+    history: dict[str, str], db_url: str, data_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """With a spoken run listed, `history ls` adds AUDIO, TTFP and RTF columns (docs/speech.md "Runs,
+    files and the CLI"); `--output audio` keeps the runs that spoke."""
+    with open_store(db_url, data_dir) as store:
+        spoken = store.create_run(
+            source="api", prompt="say good night", model="tiny-qwen-omni", request={}, parameters={}
+        )
+        store.add_output(
+            spoken, 0, b"RIFF not really a wav", "audio/wav", duration_seconds=1.24, sample_rate=24000
+        )
+        store.finish_run(
+            spoken,
+            "succeeded",
+            audio={"ttfp_seconds": 0.3126, "audio_seconds": 1.24, "realtime_factor": 0.4567},
+        )
+    code, out, _ = cli(capsys, db_url, data_dir, "ls")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "ID",
+        "CREATED",
+        "SOURCE",
+        "STATUS",
+        "MODEL",
+        "TIME",
+        "IMAGES",
+        "AUDIO",
+        "TTFP",
+        "RTF",
+        "PROMPT",
+    ]
+    row = lines[1].split()
+    assert row[0] == spoken[:12] and row[-3:] == ["say", "good", "night"]
+    assert row[-6:-3] == ["1.24s", "0.313s", "0.46"]
+    fox = lines[2].split()
+    assert fox[0] == history["fox"][:12] and fox[-6:-3] == ["-", "-", "-"]  # an image run: no figures
+
+    code, out, _ = cli(capsys, db_url, data_dir, "ls", "--output", "audio")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:-1]] == [spoken[:12]]
+    assert out.splitlines()[-1] == "1 of 1 run"
+    code, out, _ = cli(capsys, db_url, data_dir, "ls", "--output", "image", "--json")
+    assert sorted(r["id"] for r in json.loads(out)) == sorted([history["fox"], history["cat"]])
+    code, out, _ = cli(capsys, db_url, data_dir, "ls", "--output", "audio", "--json")
+    [run] = json.loads(out)
+    assert (run["audio_seconds"], run["ttfp_seconds"], run["realtime_factor"], run["audio_count"]) == (
+        1.24,
+        0.3126,
+        0.4567,
+        1,
+    )
+    code, _, err = cli(capsys, db_url, data_dir, "ls", "--output", "sound")
+    assert code == 2 and "unknown output kind 'sound'" in err and "audio" in err

@@ -35,10 +35,10 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
         action = args.history_command
         if action == "ls":
             try:
-                selection = RunFilter(search=args.search, status=args.status)
+                selection = RunFilter(search=args.search, status=args.status, output_kind=args.output)
                 runs = store.list_runs(selection, limit=args.limit)
                 total = store.count_runs(selection)
-            except ValueError as exc:  # an unknown --status
+            except ValueError as exc:  # an unknown --status or --output
                 raise UserError(str(exc)) from exc
             print(
                 json.dumps([r.to_dict() for r in runs], indent=2)

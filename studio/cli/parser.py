@@ -341,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--limit", type=int, default=50, metavar="N", help="at most N runs (default 50)")
     ls.add_argument("--status", default=None, help="only runs with this status (e.g. failed)")
     ls.add_argument("--search", default=None, metavar="TEXT", help="text in the prompt")
+    ls.add_argument(
+        "--output",
+        default=None,
+        metavar="KIND",
+        help="only runs with an output of this kind: audio (the runs that spoke), image, text, source",
+    )
     show = action("show", "one run in full", "omni-studio history show 3f2a")
     show.add_argument(
         "run_id", nargs="?", default=None, metavar="ID", help="a run id or a unique prefix of one"

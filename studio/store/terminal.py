@@ -45,10 +45,28 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+AUDIO_HEADERS = ("AUDIO", "TTFP", "RTF")  # a spoken run's length, time to first audio, real-time factor
+
+
+def audio_cells(run: RunSummary) -> tuple[str, str, str]:
+    """A run's AUDIO, TTFP and RTF cells (``-`` for a run that did not speak; TTFP to the millisecond)."""
+    ttfp = f"{run.ttfp_seconds:.3f}s" if run.ttfp_seconds is not None else "-"
+    return seconds(run.audio_seconds), ttfp, ratio(run.realtime_factor)
+
+
 def format_run_table(runs: Sequence[RunSummary], total: int) -> str:
-    """The history list: newest first, one line per run, and how many of how many are shown."""
+    """The history list: newest first, one line per run, and how many of how many are shown.
+
+    When a listed run asked for audio, the AUDIO (seconds made), TTFP and RTF columns come before the
+    prompt (docs/speech.md "Runs, files and the CLI"); a list of image and text runs has none.
+    """
     if not runs:
         return "no runs recorded yet" if total == 0 else f"no runs on this page ({total} match)"
+    spoken = any(r.audio_seconds is not None for r in runs)
     rows = [
         (
             r.id[:SHORT_ID],
@@ -58,11 +76,13 @@ def format_run_table(runs: Sequence[RunSummary], total: int) -> str:
             r.model,
             seconds(r.seconds),
             r.image_count,
+            *(audio_cells(r) if spoken else ()),
             one_line(r.prompt, 60),
         )
         for r in runs
     ]
-    body = table(("ID", "CREATED", "SOURCE", "STATUS", "MODEL", "TIME", "IMAGES", "PROMPT"), rows)
+    headers = ("ID", "CREATED", "SOURCE", "STATUS", "MODEL", "TIME", "IMAGES")
+    body = table((*headers, *(AUDIO_HEADERS if spoken else ()), "PROMPT"), rows)
     return f"{body}\n{len(runs)} of {total} run{'s' if total != 1 else ''}"
 
 
