@@ -246,3 +246,133 @@ def test_a_run_that_asked_for_its_steps_keeps_them_on_a_config_with_other_defaul
     assert output["identical"] and output["max_abs_diff"] == 0 and output["psnr_db"] == "inf"
     with open_store(None, data_dir) as store:
         assert store.get_run(entry["replay_id"]).parameters["num_inference_steps"] == 6
+
+
+# -- spoken runs (tiny-qwen-omni) --------------------------------------------------------------------
+
+SPEECH_MODEL = "tiny-qwen-omni"
+
+
+@pytest.fixture(scope="module")
+def spoken_history(tmp_path_factory) -> tuple[Path, list[str]]:
+    """Two spoken tiny-qwen-omni runs recorded as the API records them: a `/v1/audio/speech`-like one
+    (given text to say, audio only, Ethan at 1.5x) and a chat reply spoken by Chelsie (text and audio)."""
+    from engine import GenerationParams, GenerationRequest, build_engine
+    from engine.modality import OutputModality
+    from studio.runs.service import RunService
+    from studio.store.recorder import RunRecorder
+
+    data_dir = tmp_path_factory.mktemp("replay-speech")
+    engine = build_engine(SPEECH_MODEL, None, data_dir=data_dir)
+    recorder = RunRecorder(open_store(None, data_dir))
+    requests = [
+        GenerationRequest(
+            "",
+            GenerationParams(seed=21, voice="Ethan", speed=1.5),
+            modalities=(OutputModality.AUDIO,),
+            speak_text="good night, sleep well",
+        ),
+        GenerationRequest("say hello", GenerationParams(seed=5, voice="Chelsie")),
+    ]
+    ids = []
+    try:
+        runs = RunService(recorder, "api", recorder.store.files)
+        for request in requests:
+            resolved = runs.resolve(engine, request)
+            tracker = runs.start(engine, resolved, SPEECH_MODEL, None, {"prompt": request.prompt})
+            runs.run_blocking(engine, resolved, tracker)
+            ids.append(tracker.run_id)
+    finally:
+        recorder.close()
+        recorder.store.close()
+        engine.close()
+    with open_store(None, data_dir) as store:
+        spoken = [store.get_run(run_id) for run_id in ids]
+    assert all(run.status == "succeeded" and run.audio for run in spoken)
+    assert spoken[0].parameters["speak_text"] == "good night, sleep well"
+    assert (spoken[0].parameters["voice"], spoken[0].parameters["speed"]) == ("Ethan", 1.5)
+    assert spoken[0].parameters["modalities"] == ["audio"] and not spoken[0].text
+    return data_dir, ids
+
+
+def decoded(path: str) -> np.ndarray:
+    import soundfile
+
+    samples, rate = soundfile.read(path, dtype="float64")
+    assert rate == 24000
+    return samples
+
+
+def test_a_spoken_run_replays_with_its_voice_speed_and_words_and_reports_identical_audio(
+    spoken_history, tmp_path
+):
+    data_dir, ids = spoken_history
+    report_path = tmp_path / "speech.json"
+    assert replay(data_dir, "--ids", *ids, "--report", str(report_path)) == 0
+    report = json.loads(report_path.read_text())
+    assert report["summary"] == {"total": 2, "identical": 2, "changed": 0, "failed": 0}
+    with open_store(None, data_dir) as store:
+        for entry in report["runs"]:
+            original, again = store.get_run(entry["original_id"]), store.get_run(entry["replay_id"])
+            # The same request again: voice, speed, the words to say and the modalities included.
+            assert again.parameters == original.parameters
+            assert again.text == original.text
+            (audio,) = [o for o in entry["outputs"] if o["kind"] == "audio"]
+            (stored,) = original.audio
+            assert audio["identical"] and audio["max_sample_diff"] == 0 and audio["snr_db"] == "inf"
+            assert audio["before_seconds"] == audio["after_seconds"] == pytest.approx(stored.duration_seconds)
+            assert np.array_equal(decoded(audio["before_path"]), decoded(audio["after_path"]))
+    markdown = tmp_path / "speech.md"
+    assert replay(data_dir, "--ids", ids[0], "--report", str(markdown)) == 0
+    text = markdown.read_text()
+    assert "| audio (length · max sample diff · SNR) |" in text
+    assert "max sample difference 0 · SNR inf dB" in text
+
+
+def test_fewer_ode_steps_change_the_audio_and_the_report_has_its_figures(spoken_history, tmp_path):
+    data_dir, ids = spoken_history
+    deploy = tiny_deploy(SPEECH_MODEL)
+    code2wav = next(s for s in deploy["stages"] if s["stage_id"] == 2)
+    assert code2wav["default_sampling_params"]["num_inference_steps"] == 10  # what the originals ran with
+    code2wav["default_sampling_params"]["num_inference_steps"] = 4
+    fewer = tmp_path / "fewer-steps.yaml"
+    fewer.write_text(yaml.safe_dump(deploy))
+    report_path = tmp_path / "fewer.json"
+    args = ("--deploy-config", str(fewer), "--params", "config", "--report", str(report_path))
+    assert replay(data_dir, "--ids", ids[0], *args) == 1
+    (entry,) = json.loads(report_path.read_text())["runs"]
+    assert entry["verdict"] == "changed"
+    assert entry["notes"] == ["num_inference_steps: 10 -> 4 (the target config's default)"]
+    with open_store(None, data_dir) as store:
+        original, again = store.get_run(entry["original_id"]), store.get_run(entry["replay_id"])
+    assert again.parameters == {**original.parameters, "num_inference_steps": 4}
+    (audio,) = entry["outputs"]
+    assert audio["kind"] == "audio" and not audio["identical"] and not audio["bytes_identical"]
+    # The figures are those of the two stored WAVs, decoded: the same codes (same length), other samples.
+    before, after = decoded(audio["before_path"]), decoded(audio["after_path"])
+    assert before.size == after.size and audio["before_seconds"] == audio["after_seconds"]
+    assert (
+        audio["max_sample_diff"] == pytest.approx(np.abs(after - before).max())
+        and audio["max_sample_diff"] > 0
+    )
+    snr = 10 * math.log10(np.sum(before**2) / np.sum((after - before) ** 2))
+    assert audio["snr_db"] == pytest.approx(snr) and math.isfinite(audio["snr_db"])
+
+
+def test_a_run_that_heard_audio_cannot_be_replayed(tmp_path):
+    from engine.building import build_pipeline_config
+    from engine.models import describe_model
+    from studio.replay.replayer import ReplayInputError, request_for_replay
+
+    config = build_pipeline_config(describe_model(SPEECH_MODEL), None)
+    with open_store(None, tmp_path) as store:
+        run_id = store.create_run(
+            source="ui",
+            prompt="what do you hear",
+            model=SPEECH_MODEL,
+            request={},
+            parameters={"seed": 3, "voice": "Chelsie", "input_audio_clips": 1},
+        )
+        detail = store.get_run(run_id)
+    with pytest.raises(ReplayInputError, match=r"heard 1 audio clip\(s\) \(input_audio\)"):
+        request_for_replay(detail, config)

@@ -39,6 +39,7 @@ FILTER_KEYS = {
     "config-hash": "config_hash",
     "since": "since",
     "until": "until",
+    "output": "output_kind",  # output=audio: the runs that spoke
 }
 
 

@@ -8,8 +8,10 @@ original. The comparison reads what the run store recorded for both runs (:mod:`
 
 What a replay sends: the original's prompt, chat history, source image and output modalities, its seed,
 and its request-level parameters as they were resolved (size, steps, guidance, negative prompt,
-temperature, top-p/top-k, n; ``max_tokens`` for chat models). With ``parameters="config"`` those the
-original took from its config's defaults follow the target config's defaults instead. docs/replay.md.
+temperature, top-p/top-k, n; ``max_tokens`` for chat and speech models; a spoken run's voice, speed and
+the text it was given to say, ``speak_text``). With ``parameters="config"`` those the original took from
+its config's defaults follow the target config's defaults instead. A run that heard audio clips cannot be
+replayed: the store keeps how many there were, not their samples. docs/replay.md.
 """
 
 from __future__ import annotations
@@ -50,8 +52,12 @@ REQUEST_KEYS = (
     "top_p",
     "top_k",
     "n",
+    "voice",  # speech (docs/speech.md): the speaker and the tempo
+    "speed",
 )
-CHAT_REQUEST_KEYS = ("max_tokens",)  # GLM-Image's AR budget follows from the size; a chat model's does not
+# GLM-Image's AR budget follows from the size; a chat model's and a speech model's thinker's do not.
+CHAT_REQUEST_KEYS = ("max_tokens",)
+CHAT_FAMILIES = ("chat", "qwen-omni")
 DEFAULT_LIMIT = 50
 RECORD_TIMEOUT_S = 60.0  # waiting for the recorder to write a finished replay before comparing it
 
@@ -102,7 +108,7 @@ def request_for_replay(
     if parameters not in PARAMETER_MODES:
         raise ValueError(f"parameters must be one of {', '.join(PARAMETER_MODES)}, got {parameters!r}")
     recorded = dict(detail.parameters)
-    keys = REQUEST_KEYS + (CHAT_REQUEST_KEYS if config.family == "chat" else ())
+    keys = REQUEST_KEYS + (CHAT_REQUEST_KEYS if config.family in CHAT_FAMILIES else ())
     fields = {key: recorded.get(key) for key in keys}
     notes = []
     original_defaults, target_defaults = stage_defaults(detail.config), stage_defaults(config.to_dict())
@@ -122,6 +128,12 @@ def request_for_replay(
                 f"{key} kept at {value} as recorded; the target config's default is {target_defaults[key]} "
                 "(replay with parameters 'config' to use it)"
             )
+    clips = recorded.get("input_audio_clips")
+    if clips:
+        raise ReplayInputError(
+            f"run {detail.id} heard {clips} audio clip(s) (input_audio); the run store keeps how many, not "
+            "their samples, so it cannot be replayed"
+        )
     image = None
     source = next((o for o in detail.outputs if o.kind == "source"), None)
     if source is not None:
@@ -151,9 +163,21 @@ def request_for_replay(
         top_p=fields["top_p"],
         top_k=fields["top_k"],
         n=fields["n"] or 1,
+        voice=fields["voice"],
+        speed=fields["speed"],
     )
-    request = GenerationRequest(detail.prompt, params, image=image, history=history, modalities=modalities)
+    speak_text = recorded.get("speak_text")
+    request = GenerationRequest(
+        detail.prompt,
+        params,
+        image=image,
+        history=history,
+        modalities=modalities,
+        speak_text=speak_text if isinstance(speak_text, str) else None,
+    )
     given = {key: value for key, value in fields.items() if value is not None}
+    if request.speak_text is not None:
+        given["speak_text"] = request.speak_text
     return ReplayRequest(request, given, tuple(notes))
 
 
@@ -191,6 +215,7 @@ def describe_filter(flt: RunFilter) -> str:
         ("model", "model"),
         ("fingerprint", "fingerprint"),
         ("config_hash", "config hash"),
+        ("output_kind", "with output"),
     ):
         value = getattr(flt, name)
         if value:

@@ -1,15 +1,13 @@
-"""What a replay found: per run, identical or changed (pixel statistics, a text diff), the config hash and
-fingerprint before and after, failures with their error, and a summary; as Markdown or JSON.
+"""What a replay found: per run, identical or changed (pixel statistics, audio figures, a text diff), the
+config hash and fingerprint before and after, failures with their error, and a summary; as Markdown or
+JSON.
 
-Comparing works on what the run store recorded, never on what the engine handed back: "identical bytes"
-compares the stored outputs' sha256, and the pixel statistics decode both stored PNGs (so PNG metadata
-cannot hide or fake a change). The service that runs replays is :mod:`studio.replay.replayer`; docs/replay.md
-explains every field of the report.
+Each output is compared from what the run store recorded (:mod:`studio.replay.outputs`). The service that
+runs replays is :mod:`studio.replay.replayer`; docs/replay.md explains every field of the report.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -18,10 +16,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # the store (SQLAlchemy) is not needed to render a report, and the CLI parser imports this
-    import numpy as np
+from studio.replay.outputs import COMPARED_KINDS as COMPARED_KINDS  # re-exported (older callers)
+from studio.replay.outputs import OutputComparison, compare_outputs
+from studio.replay.outputs import PixelDifference as PixelDifference
+from studio.replay.outputs import compare_output as compare_output
+from studio.replay.outputs import pixel_difference as pixel_difference
+from studio.replay.outputs import text_diff as text_diff
 
-    from studio.store.records import OutputRecord, RunDetail
+if TYPE_CHECKING:  # the store (SQLAlchemy) is not needed to render a report, and the CLI parser imports this
+    from studio.store.records import RunDetail
 
 # How a replay picks the parameters it runs with (studio/replay/replayer.py, docs/replay.md): every request-level
 # parameter as recorded, or the target config's defaults for those the original took from its own config.
@@ -30,174 +33,10 @@ VERDICTS = ("identical", "changed", "failed")
 # Exit status of `omni-studio replay`, as diff(1) has it: 0 all identical, 1 something changed, 2 trouble.
 EXIT_IDENTICAL, EXIT_CHANGED, EXIT_FAILED = 0, 1, 2
 REPORT_FORMATS = (".md", ".json")
-COMPARED_KINDS = ("image", "text")  # a run's "source" output is its input, the same file on both sides
-MAX_TEXT_DIFF_LINES = 200  # a report stays readable; the replay run holds the whole text
 
 
 class ReportFormatError(ValueError):
     """A report path whose extension is neither ``.md`` nor ``.json``."""
-
-
-# -- comparing two outputs -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PixelDifference:
-    """How two decoded images differ: absolute differences of 8-bit channel values and PSNR in dB.
-
-    ``psnr_db`` is ``inf`` for identical pixels. Images of different sizes are not compared pixel by
-    pixel: the statistics are ``None`` and ``same_size`` is False.
-    """
-
-    before_size: tuple[int, int]  # (width, height)
-    after_size: tuple[int, int]
-    max_abs: int | None
-    mean_abs: float | None
-    psnr_db: float | None
-
-    @property
-    def same_size(self) -> bool:
-        return self.before_size == self.after_size
-
-    @property
-    def identical(self) -> bool:
-        return self.same_size and self.max_abs == 0
-
-
-def _pixels(path: Path) -> np.ndarray:
-    import numpy as np
-    from PIL import Image
-
-    with Image.open(path) as image:
-        # RGBA keeps an alpha channel in the comparison; RGB images get an opaque one on both sides.
-        return np.asarray(image.convert("RGBA"), dtype=np.int16)
-
-
-def pixel_difference(before: Path, after: Path) -> PixelDifference:
-    """Max / mean absolute difference and PSNR (peak 255) of two image files, decoded."""
-    a, b = _pixels(before), _pixels(after)
-    size_a, size_b = (a.shape[1], a.shape[0]), (b.shape[1], b.shape[0])
-    if size_a != size_b:
-        return PixelDifference(size_a, size_b, None, None, None)
-    diff = abs(a - b)
-    mse = float((diff.astype("float64") ** 2).mean())
-    psnr = math.inf if mse == 0 else 10.0 * math.log10(255.0**2 / mse)
-    return PixelDifference(size_a, size_b, int(diff.max()), float(diff.mean()), psnr)
-
-
-def text_diff(before: str, after: str, before_label: str = "original", after_label: str = "replay") -> str:
-    """A unified diff of two texts ('' when they are equal), cut at :data:`MAX_TEXT_DIFF_LINES` lines."""
-    lines = list(
-        difflib.unified_diff(
-            before.splitlines(), after.splitlines(), before_label, after_label, lineterm="", n=2
-        )
-    )
-    if len(lines) > MAX_TEXT_DIFF_LINES:
-        lines = [*lines[:MAX_TEXT_DIFF_LINES], f"... ({len(lines) - MAX_TEXT_DIFF_LINES} more diff lines)"]
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class OutputComparison:
-    """One output of the original next to the replay's output of the same kind and index."""
-
-    kind: str  # image | text
-    index: int
-    before_sha256: str | None  # None: the original has no such output
-    after_sha256: str | None  # None: the replay has no such output
-    before_path: str | None = None
-    after_path: str | None = None
-    before_size: str | None = None  # "WxH" (images)
-    after_size: str | None = None
-    max_abs_diff: int | None = None
-    mean_abs_diff: float | None = None
-    psnr_db: float | None = None  # inf: identical pixels
-    diff: str | None = None  # unified diff (text outputs that changed)
-    note: str | None = None  # why there are no numbers (sizes differ, an output missing, a file gone)
-
-    @property
-    def bytes_identical(self) -> bool:
-        return self.before_sha256 is not None and self.before_sha256 == self.after_sha256
-
-    @property
-    def identical(self) -> bool:
-        """Same stored bytes; for images also same decoded pixels (the file may differ only in metadata)."""
-        if self.bytes_identical:
-            return True
-        return self.kind == "image" and self.max_abs_diff == 0 and self.before_size == self.after_size
-
-    @property
-    def pair(self) -> tuple[str, str] | None:
-        """(before, after) image files for a before/after view, when both exist and differ."""
-        if self.kind == "image" and not self.identical and self.before_path and self.after_path:
-            return self.before_path, self.after_path
-        return None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["bytes_identical"] = self.bytes_identical
-        data["identical"] = self.identical
-        if self.psnr_db is not None and math.isinf(self.psnr_db):
-            data["psnr_db"] = "inf"  # JSON has no infinity
-        return data
-
-
-def _size(size: tuple[int, int]) -> str:
-    return f"{size[0]}x{size[1]}"
-
-
-def compare_output(
-    kind: str, index: int, before: OutputRecord | None, after: OutputRecord | None
-) -> OutputComparison:
-    """Compare one output pair from the run store (either side may be missing)."""
-    base = OutputComparison(
-        kind,
-        index,
-        before.sha256 if before else None,
-        after.sha256 if after else None,
-        str(before.path) if before else None,
-        str(after.path) if after else None,
-    )
-    if before is None or after is None:
-        note = "only in the replay" if before is None else "missing from the replay"
-        return OutputComparison(**{**asdict(base), "note": note})
-    missing = [label for label, o in (("original", before), ("replay", after)) if not o.path.exists()]
-    if missing:
-        return OutputComparison(
-            **{**asdict(base), "note": f"the {' and '.join(missing)} file is gone from the data dir"}
-        )
-    if kind == "text":
-        if base.bytes_identical:
-            return base
-        old = before.path.read_text(encoding="utf-8", errors="replace")
-        new = after.path.read_text(encoding="utf-8", errors="replace")
-        return OutputComparison(**{**asdict(base), "diff": text_diff(old, new) or None})
-    difference = pixel_difference(before.path, after.path)
-    values = {
-        **asdict(base),
-        "before_size": _size(difference.before_size),
-        "after_size": _size(difference.after_size),
-        "max_abs_diff": difference.max_abs,
-        "mean_abs_diff": difference.mean_abs,
-        "psnr_db": difference.psnr_db,
-    }
-    if not difference.same_size:
-        values["note"] = (
-            f"sizes differ ({_size(difference.before_size)} -> {_size(difference.after_size)}): "
-            "no pixel statistics"
-        )
-    return OutputComparison(**values)
-
-
-def compare_outputs(original: RunDetail, replay: RunDetail) -> list[OutputComparison]:
-    """Every image and text output of either run, paired by kind and index."""
-    comparisons = []
-    for kind in COMPARED_KINDS:
-        before = {o.index: o for o in original.outputs if o.kind == kind}
-        after = {o.index: o for o in replay.outputs if o.kind == kind}
-        for index in sorted(set(before) | set(after)):
-            comparisons.append(compare_output(kind, index, before.get(index), after.get(index)))
-    return comparisons
 
 
 # -- one replayed run ---------------------------------------------------------------------------------
@@ -228,6 +67,11 @@ class ReplayEntry:
     def pairs(self) -> list[tuple[str, str]]:
         """(before, after) image files of every changed image."""
         return [pair for pair in (o.pair for o in self.outputs) if pair is not None]
+
+    @property
+    def audio(self) -> list[OutputComparison]:
+        """The audio outputs compared sample for sample (identical or not)."""
+        return [o for o in self.outputs if o.audio_pair is not None]
 
     def image_stats(self) -> tuple[int | None, float | None, float | None]:
         """Over the run's compared images: the largest max difference, the mean of the mean differences
@@ -265,10 +109,15 @@ def compare_runs(original: RunDetail, replay: RunDetail, notes: Sequence[str] = 
             )
             identical = False
         verdict = "identical" if identical else "changed"
-        if identical and not all(o.bytes_identical for o in outputs):
+        if identical and not all(o.bytes_identical for o in outputs if o.kind == "image"):
             notes.append(
                 "pixels identical, files not: the PNGs differ outside the pixels (their recipe chunks name "
                 "the config and fingerprint)"
+            )
+        if identical and not all(o.bytes_identical for o in outputs if o.kind == "audio"):
+            notes.append(
+                "samples identical, files not: the WAVs differ outside the samples (their recipes name the "
+                "config and fingerprint)"
             )
     return ReplayEntry(
         original_id=original.id,
@@ -381,6 +230,20 @@ class ReplayReport:
             for i, (before, after) in enumerate(entry.pairs)
         ]
 
+    @property
+    def audio_pairs(self) -> list[tuple[str, OutputComparison]]:
+        """(label, comparison) for every audio output compared, identical or not, in report order (the
+        UI's before/after players)."""
+        return [
+            (
+                f"{entry.original_id[:12]} -> {(entry.replay_id or '')[:12]} audio {o.index}: "
+                + ("identical" if o.identical else "changed"),
+                o,
+            )
+            for entry in self.entries
+            for o in entry.audio
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": "omni-studio-replay-report",
@@ -453,12 +316,18 @@ def render_markdown(report: ReplayReport) -> str:
     if not report.entries:
         lines.append("No runs were replayed.")
         return "\n".join(lines) + "\n"
+    # The audio column (length, max sample difference, SNR) only in reports with spoken runs.
+    spoken = any(entry.audio for entry in report.entries)
+    audio_header = " audio (length · max sample diff · SNR) |" if spoken else ""
     lines += [
-        "| original | replay | prompt | result | max diff | mean diff | PSNR (dB) | config hash | fingerprint |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| original | replay | prompt | result | max diff | mean diff | PSNR (dB) |"
+        + audio_header
+        + " config hash | fingerprint |",
+        "|---|---|---|---|---|---|---|" + ("---|" if spoken else "") + "---|---|",
     ]
     for entry in report.entries:
         max_abs, mean_abs, psnr = entry.image_stats()
+        audio = [_cell("; ".join(o.audio_summary() for o in entry.audio))] if spoken else []
         lines.append(
             "| "
             + " | ".join(
@@ -470,6 +339,7 @@ def render_markdown(report: ReplayReport) -> str:
                     _cell(max_abs),
                     _cell(None if mean_abs is None else f"{mean_abs:.3f}"),
                     _cell(format_psnr(psnr)),
+                    *audio,
                     _before_after(_short(entry.config_hash_before, 8), _short(entry.config_hash_after, 8)),
                     _before_after(entry.fingerprint_before, entry.fingerprint_after),
                 ]
@@ -509,6 +379,12 @@ def _entry_details(entry: ReplayEntry) -> list[str]:
                     f"{output.mean_abs_diff:.3f}, PSNR {format_psnr(output.psnr_db)} dB; sha256 "
                     f"`{_short(output.before_sha256)}` → `{_short(output.after_sha256)}`",
                 ]
+        elif output.kind == "audio" and output.before_seconds is not None:
+            lines += [
+                "",
+                f"- {label}: {output.audio_summary()}; sha256 `{_short(output.before_sha256)}` → "
+                f"`{_short(output.after_sha256)}`",
+            ]
         else:
             lines += ["", f"- {label}: " + (output.note or "changed")]
             if output.diff:
