@@ -66,7 +66,10 @@ def test_spec_errors_name_the_field_and_the_allowed_values():
             "colour": 1,
         }
     )
-    assert "'steps', 'guidance', 'size', 'negative_prompt', 'model' or 'deploy'" in problems["x.param"]
+    assert (
+        "'steps', 'guidance', 'size', 'negative_prompt', 'model', 'deploy', 'voice' or 'speed'"
+        in problems["x.param"]
+    )
     assert problems["colour"].startswith("unknown field; the allowed fields are name, prompts, seeds, x, y")
     assert problems["y.values[1]"] == "steps must be a whole number from 1 to 1000 (--max-steps), got 'many'"
 

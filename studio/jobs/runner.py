@@ -35,6 +35,7 @@ from engine.building import build_pipeline_config
 from engine.config import DeployConfigError, PipelineConfig
 from engine.engine import EngineBuildError, build_engine
 from engine.events import RunFailed, RunFinished
+from engine.modality import OutputModality
 from engine.models import ModelNotFound, ModelSource, describe_model
 from engine.paths import DEPLOY_PRESETS_DIR
 from studio.jobs.grid_run import record_grid
@@ -79,9 +80,15 @@ class Target:
 
 
 def cell_request(params: CellParameters, request_id: str | None = None) -> GenerationRequest:
-    """The engine request of one cell (the same fields an API request would set)."""
+    """The engine request of one cell (the same fields an API request would set). A speech job's cell sets
+    the voice and speed; with ``say`` the prompt is the words to say, audio only (as /v1/audio/speech)."""
     fields = params.fields()
-    request = GenerationRequest(
+    extra: dict[str, Any] = {}
+    if params.say:
+        extra = {"speak_text": params.prompt, "modalities": (OutputModality.AUDIO,)}
+    if request_id is not None:
+        extra["request_id"] = request_id
+    return GenerationRequest(
         params.prompt,
         GenerationParams(
             seed=fields["seed"],
@@ -90,11 +97,11 @@ def cell_request(params: CellParameters, request_id: str | None = None) -> Gener
             num_inference_steps=fields.get("num_inference_steps"),
             guidance_scale=fields.get("guidance_scale"),
             negative_prompt=fields.get("negative_prompt"),
+            voice=fields.get("voice"),
+            speed=fields.get("speed"),
         ),
+        **extra,
     )
-    if request_id is None:
-        return request
-    return GenerationRequest(request.prompt, request.params, request_id=request_id)
 
 
 class JobRunner:
@@ -142,6 +149,7 @@ class JobRunner:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._finished: dict[str, threading.Event] = {}
+        self._outputs: dict[str, str] = {}  # model name -> what its cells make (JobService.output_of)
 
     def _engine(self) -> OmniEngine:
         engine = self.serving_engine()
@@ -433,6 +441,8 @@ class JobRunner:
         await asyncio.to_thread(self.jobs.start_item, job.id, cell.index, run_id)
         request = cell_request(params, run_id)
         payload = {"job": job.id, "item": cell.index, "prompt": params.prompt, **params.fields()}
+        if params.say:
+            payload["say"] = True
         if params.model is not None:
             payload["model"] = params.model
         if params.deploy is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine import OmniEngine, RequestError
-from engine.building import device_problems
+from engine.building import build_pipeline_config, device_problems
 from engine.config import DeployConfigError, PipelineConfig
 from engine.modality import OutputModality
 from engine.models import ModelNotFound, ModelSource, describe_model
@@ -66,7 +66,34 @@ ENGINE_FIELDS = {
     "height": "size",
     "width": "size",
     "negative_prompt": "negative_prompt",
+    "voice": "voice",
+    "speed": "speed",
+    "speak_text": "say",  # a model that cannot say given words
+    "modalities": "say",  # say asks for audio alone
 }
+
+
+def output_kind(produced: tuple[OutputModality, ...]) -> str:
+    """What a job's cell of a model making ``produced`` shows: ``audio`` (a player), ``image``, or the rest."""
+    if OutputModality.AUDIO in produced:
+        return "audio"
+    if OutputModality.IMAGE in produced:
+        return "image"
+    return "+".join(produced)
+
+
+def output_label(spec: JobSpec, kinds: list[str]) -> str:
+    """A job's output in words (the Queue and Batch tabs): ``image``, ``audio · voices Chelsie, Ethan``."""
+    label = ", ".join(kinds) or "?"
+    if "audio" in kinds:
+        voices = [spec.voice] if spec.voice else []
+        voices += [str(v) for axis in spec.axes().values() if axis.param == "voice" for v in axis.values]
+        label += (
+            f" · voice{'s' if len(voices) > 1 else ''} {', '.join(voices)}" if voices else " · default voice"
+        )
+        if spec.say:
+            label += " · says the prompts"
+    return label
 
 
 class JobService(JobRunner):
@@ -115,7 +142,8 @@ class JobService(JobRunner):
                 if config is engine.config:
                     self.runs.resolve(engine, request)  # the limits and the context check too
                 else:
-                    source.family.resolve_request(request, config)
+                    resolved = source.family.resolve_request(request, config)
+                    source.family.check_voice(resolved, source.path, target.model)
             except RequestError as exc:
                 if exc.field in ("prompt", "history"):
                     where = f"prompts[{cell.prompt_index}]"
@@ -123,7 +151,8 @@ class JobService(JobRunner):
                     where = f"seeds[{(spec.seeds or [cell.seed]).index(cell.seed)}]"
                 else:
                     where = spec_path(spec, cell, ENGINE_FIELDS.get(exc.field, exc.field))
-                problem = SpecProblem(where, f"{exc.field} {exc.message}")
+                said = exc.message if exc.message.startswith(exc.field) else f"{exc.field} {exc.message}"
+                problem = SpecProblem(where, said)
                 if problem not in problems:
                     problems.append(problem)
         if problems:
@@ -161,14 +190,16 @@ class JobService(JobRunner):
             problems.extend(SpecProblem(where_deploy, str(p)) for p in devices)
             return None
         produced = source.family.final_modalities(config)
-        if OutputModality.IMAGE not in produced:
+        if OutputModality.IMAGE not in produced and OutputModality.AUDIO not in produced:
             problems.append(
                 SpecProblem(
                     where_model,
-                    f"{target.model} makes {'+'.join(produced)}, not images: a job's cells form an image grid",
+                    f"{target.model} makes {'+'.join(produced)}, not images or audio: a job's cells form a "
+                    "grid of pictures or a table of players",
                 )
             )
             return None
+        self.outputs()[target.model] = output_kind(produced)
         return source, config
 
     def submit(self, spec: JobSpec, source: str, owner: str | None) -> JobRecord:
@@ -188,6 +219,33 @@ class JobService(JobRunner):
         self._finished[job.id] = threading.Event()
         self._poke()
         return job
+
+    def outputs(self) -> dict[str, str]:
+        """Model name -> what its cells make (:func:`output_kind`), learnt as jobs are checked or shown."""
+        return self._outputs
+
+    def output_of(self, job: JobRecord) -> str:
+        """What a job's cells make, in words (:func:`output_label`): ``audio · voices Chelsie, Ethan``."""
+        spec = JobSpec.model_validate(job.spec)
+        models = dict.fromkeys(spec.parameters(cell).model or spec.model or "" for cell in spec.cells())
+        known = self.outputs()
+        kinds: list[str] = []
+        for model in models:
+            if model not in known:
+                known[model] = self._output_of_model(model)
+            kinds.append(known[model])
+        return output_label(spec, list(dict.fromkeys(kinds)))
+
+    def _output_of_model(self, model: str) -> str:
+        engine = self.serving_engine()
+        try:
+            if engine is not None and self._is_served(model, engine):
+                return output_kind(engine.family.final_modalities(engine.config))
+            source = describe_model(model)
+            config = build_pipeline_config(source, None, self.ar_backend, self.devices)
+            return output_kind(source.family.final_modalities(config))
+        except (DeployConfigError, ModelNotFound, UnknownModelFamily, ValueError):
+            return "?"
 
     def get(self, job_id: str, items: bool = True) -> JobRecord:
         return self.jobs.get_job(job_id, items=items)

@@ -20,9 +20,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.paths import DEPLOY_PRESETS_DIR
+from engine.tempo import MAX_SPEED, MIN_SPEED
 from studio.startup.limits import InputLimits
 
-AxisParam = Literal["steps", "guidance", "size", "negative_prompt", "model", "deploy"]
+AxisParam = Literal["steps", "guidance", "size", "negative_prompt", "model", "deploy", "voice", "speed"]
 AXIS_PARAMS: tuple[str, ...] = get_args(AxisParam)
 AXIS_NAMES = ("x", "y")
 MAX_PROMPTS = 32
@@ -86,7 +87,7 @@ class JobAxis(BaseModel):
         max_length=MAX_AXIS_VALUES,
         description="steps: whole numbers; guidance: numbers; size: 'WIDTHxHEIGHT'; negative_prompt: text; "
         "model: a built-in model or the served one; deploy: a preset name (assets/deploy) or a deploy "
-        "config mapping",
+        "config mapping; voice: the model's voices (speech); speed: numbers from 0.25 to 4.0 (speech)",
     )
 
 
@@ -124,6 +125,14 @@ class JobSpec(BaseModel):
     guidance: float | None = Field(None, ge=0.0, le=100.0, description="guidance_scale")
     size: str | None = Field(None, description="WIDTHxHEIGHT, e.g. 128x128 (default: the model's)")
     negative_prompt: str | None = None
+    # Speech (a model that speaks, e.g. tiny-qwen-omni; docs/speech.md): each cell is a spoken run.
+    voice: str | None = Field(None, description="the speaker (default: the model's first voice)")
+    speed: float | None = Field(None, description="tempo with the pitch kept, 0.25 to 4.0 (1.0: as spoken)")
+    say: bool = Field(
+        False,
+        description="true: each prompt is the words to say (as /v1/audio/speech's input), audio only; "
+        "false: the model answers each prompt",
+    )
 
     @field_validator("prompts", mode="before")
     @classmethod
@@ -179,12 +188,14 @@ class JobSpec(BaseModel):
             "negative_prompt": self.negative_prompt,
             "model": self.model,
             "deploy": self.deploy,
+            "voice": self.voice,
+            "speed": self.speed,
         }
         for name, index in (("x", cell.x), ("y", cell.y)):
             axis = getattr(self, name)
             if axis is not None and index is not None:
                 values[axis.param] = axis.values[index]
-        return CellParameters(prompt=cell.prompt, seed=cell.seed, **values)
+        return CellParameters(prompt=cell.prompt, seed=cell.seed, say=self.say, **values)
 
     def axes_of(self, cell: JobCell) -> dict[str, Any]:
         """The values that place ``cell`` in the grid (stored with its item)."""
@@ -228,6 +239,9 @@ class CellParameters:
     negative_prompt: str | None
     model: str | None
     deploy: str | dict[str, Any] | None
+    voice: str | None = None
+    speed: float | None = None
+    say: bool = False  # the prompt is the words to say (speak_text), audio only
 
     def width_height(self) -> tuple[int, int] | None:
         if self.size is None:
@@ -249,6 +263,10 @@ class CellParameters:
         size = self.width_height()
         if size is not None:
             fields["width"], fields["height"] = size
+        if self.voice is not None:
+            fields["voice"] = self.voice
+        if self.speed is not None:
+            fields["speed"] = float(self.speed)
         return fields
 
 
@@ -260,6 +278,8 @@ def value_label(param: str, value: Any, index: int) -> str:
         return f"deploy {value}" if isinstance(value, str) else f"deploy #{index + 1}"
     if param == "guidance":
         return f"guidance {float(value):g}"
+    if param == "speed":
+        return f"speed {float(value):g}x"
     return f"{param} {value}"
 
 
@@ -296,6 +316,8 @@ def _pydantic_problems(exc: ValidationError) -> list[SpecProblem]:
             message = f"unknown field; the allowed fields are {', '.join(allowed)}"
         elif error["type"] == "missing":
             message = "required"
+        elif path in ("voice", "speed"):  # say what is allowed, as the axes' values do
+            message = check_value(path, error.get("input"), InputLimits()) or str(error["msg"])
         else:
             message = str(error["msg"]).removeprefix("Value error, ")
         problem = SpecProblem(path, message)
@@ -344,27 +366,35 @@ def check_value(param: str, value: Any, limits: InputLimits) -> str | None:
                 return f"unknown deploy preset {value!r}; the presets are {', '.join(presets)} (or a mapping)"
         elif not isinstance(value, Mapping):
             return f"deploy must be a preset name ({', '.join(presets)}) or a deploy config mapping"
+    elif param == "voice":
+        # Which voices exist is the model's: the studio checks them when the job is submitted.
+        if not isinstance(value, str) or not value.strip():
+            return f"voice must be a voice name (the model's voices, e.g. Chelsie), got {value!r}"
+    elif param == "speed" and (not _is_number(value) or not MIN_SPEED <= float(value) <= MAX_SPEED):
+        return f"speed must be a number from {MIN_SPEED:g} to {MAX_SPEED:g} (1.0: as spoken), got {value!r}"
     return None
 
 
 def _semantic_problems(spec: JobSpec, limits: InputLimits) -> list[SpecProblem]:
     problems: list[SpecProblem] = []
+    limit, flag = (
+        (limits.max_speech_chars, "--max-speech-chars")
+        if spec.say
+        else (limits.max_prompt_chars, "--max-prompt-chars")
+    )
     for i, prompt in enumerate(spec.prompts):
         if not prompt.strip():
             problems.append(SpecProblem(f"prompts[{i}]", "is empty; give the text to generate"))
-        elif len(prompt) > limits.max_prompt_chars:
+        elif len(prompt) > limit:
             problems.append(
-                SpecProblem(
-                    f"prompts[{i}]",
-                    f"is {len(prompt)} characters; the limit is {limits.max_prompt_chars} (--max-prompt-chars)",
-                )
+                SpecProblem(f"prompts[{i}]", f"is {len(prompt)} characters; the limit is {limit} ({flag})")
             )
     for i, seed in enumerate(spec.seeds or []):
         if not 0 <= seed <= MAX_SEED:
             problems.append(SpecProblem(f"seeds[{i}]", f"must be from 0 to {MAX_SEED}, got {seed}"))
         elif seed in (spec.seeds or [])[:i]:
             problems.append(SpecProblem(f"seeds[{i}]", f"repeats seed {seed}; each seed once"))
-    for name in ("steps", "guidance", "size", "negative_prompt", "model", "deploy"):
+    for name in AXIS_PARAMS:
         value = getattr(spec, name)
         if value is not None:
             problem = check_value(name, value, limits)
@@ -411,7 +441,7 @@ def _semantic_problems(spec: JobSpec, limits: InputLimits) -> list[SpecProblem]:
 def _raw_value_problems(data: Mapping[str, Any], failed: set[str], limits: InputLimits) -> list[SpecProblem]:
     """The value problems of the fields that passed the type checks, so one report lists them all."""
     problems = []
-    for name in ("steps", "guidance", "size", "negative_prompt"):
+    for name in ("steps", "guidance", "size", "negative_prompt", "voice", "speed"):
         value = data.get(name)
         if name not in failed and value is not None:
             problem = check_value(name, value, limits)

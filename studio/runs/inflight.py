@@ -32,6 +32,7 @@ class InFlight:
     step: int = 0
     total: int = 0
     stages_done: int = 0
+    output: str = ""  # what it makes, in words (output_of): "image 64x64", "text+audio · Chelsie"
 
     def progress(self) -> str:
         """``stage 1/2 · 3/8 steps`` (or ``waiting``)."""
@@ -47,6 +48,18 @@ class InFlight:
         return f"stage {self.stages_done + 1}/{self.stages} ({self.kind}){counted}"
 
 
+def output_of(modalities: tuple[Any, ...], parameters: dict[str, Any]) -> str:
+    """What a request makes, in words (the Queue panel): ``image 64x64``, ``text+audio · Chelsie · 1.5x``."""
+    kinds = [str(getattr(m, "value", m)) for m in modalities]
+    words = ["+".join(kinds)]
+    if "audio" in kinds:
+        words += [str(parameters["voice"])] if parameters.get("voice") else []
+        words += [f"{float(parameters['speed']):g}x"] if parameters.get("speed") else []
+    elif "image" in kinds and parameters.get("width") and parameters.get("height"):
+        words[0] += f" {parameters['width']}x{parameters['height']}"
+    return " · ".join(words)
+
+
 class RequestBoard:
     """Requests in the engine, by request id."""
 
@@ -54,9 +67,11 @@ class RequestBoard:
         self._lock = threading.Lock()
         self._requests: dict[str, InFlight] = {}
 
-    def add(self, request_id: str, source: str, owner: str | None, prompt: str, engine: Any) -> None:
+    def add(
+        self, request_id: str, source: str, owner: str | None, prompt: str, engine: Any, output: str = ""
+    ) -> None:
         stages = len(getattr(getattr(engine, "config", None), "stages", ()) or ()) or 1
-        entry = InFlight(request_id, source, owner, prompt, engine, time.time(), stages)
+        entry = InFlight(request_id, source, owner, prompt, engine, time.time(), stages, output=output)
         with self._lock:
             self._requests[request_id] = entry
 

@@ -20,7 +20,7 @@ from studio.store.models import ACTIVE_JOB_STATUSES
 if TYPE_CHECKING:
     from studio.store.jobs import JobRecord
 
-COLUMNS = ["kind", "id", "source", "owner", "status", "position", "progress", "what"]
+COLUMNS = ["kind", "id", "source", "owner", "status", "position", "progress", "output", "what"]
 
 
 class QueueError(Exception):
@@ -84,6 +84,7 @@ class QueueRow:
     progress: str
     what: str
     yours: bool
+    output: str = ""  # what it makes: "image 64x64", "audio · voices Chelsie, Ethan"
 
     def cells(self) -> list[str]:
         owner = owner_label(self.owner) + (" (you)" if self.yours else "")
@@ -95,6 +96,7 @@ class QueueRow:
             self.status,
             self.position,
             self.progress,
+            self.output,
             self.what,
         ]
 
@@ -131,6 +133,7 @@ class QueueView:
                         _job_progress(job, self.jobs.running_cells(job.id)),
                         job.label,
                         viewer.may_change(job.owner),
+                        self.jobs.output_of(job),
                     )
                 )
         for entry in self.board.snapshot():
@@ -155,6 +158,7 @@ class QueueView:
             entry.progress(),
             what,
             viewer.may_change(entry.owner),
+            entry.output,
         )
 
     def _find(self, viewer: Viewer, ident: str) -> QueueRow:

@@ -21,7 +21,7 @@ from engine.engine import EngineBusy, EngineClosed
 from engine.events import EngineEvent, RunFailed, RunFinished
 from studio.media.images import png_bytes
 from studio.recipes.recipe import RecipeStamper, RunRecipe
-from studio.runs.inflight import RequestBoard
+from studio.runs.inflight import RequestBoard, output_of
 from studio.startup.limits import InputLimits
 from studio.store.files import PNG, OutputFiles
 
@@ -259,7 +259,8 @@ class RunService:
             raise self.reject(RunRejected("client_limit", slots.message()), tracker)
         if self.board is not None:
             who = owner or (f"{self.source}:{client}" if client else None)
-            self.board.add(resolved.request_id, self.source, who, resolved.request.prompt, engine)
+            output = output_of(resolved.modalities, resolved.parameters)
+            self.board.add(resolved.request_id, self.source, who, resolved.request.prompt, engine, output)
         if client is not None or owner is not None:  # the stage queues take clients round-robin
             who = f"{self.source}:{client}" if client is not None else str(owner)
             resolved = replace(resolved, request=replace(resolved.request, client=who))
