@@ -1,6 +1,7 @@
 """The Batch tab: submit a batch job (a form, or the YAML that ``omni-studio batch`` reads), follow its
 progress and see its grid. Submitting calls :meth:`studio.jobs.service.JobService.submit`, the same as
-``POST /v1/studio/jobs`` and the CLI; the job then waits in the queue like any other (Queue tab)."""
+``POST /v1/studio/jobs`` and the CLI; the job then waits in the queue like any other (Queue tab). A job
+whose cells speak also shows its table of players (``studio/ui/job_players.py``)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,26 @@ from studio.jobs.spec import (
 )
 from studio.runs.queue import Viewer, owner_label
 from studio.store.jobs import JobNotFound, JobRecord
+from studio.ui.job_players import PlayerCache, players_html
 
 NO_AXIS = "(none)"
-JOB_COLUMNS = ["id", "name", "status", "progress", "owner", "created"]
+JOB_COLUMNS = ["id", "name", "status", "progress", "output", "owner", "created"]
+# The form's first values: a picture sweep, or for a model that speaks its voices across (docs/jobs.md).
+IMAGE_FORM: dict[str, Any] = {
+    "x": ("guidance", "1.0, 3.0"),
+    "y": ("steps", "2, 4"),
+    "size": "64x64",
+    "steps": "",
+}
+SPEECH_FORM: dict[str, Any] = {"x": ("voice", ""), "y": (NO_AXIS, ""), "size": "", "steps": "4"}
+SPEECH_EXAMPLE: dict[str, Any] = {
+    "name": "voices x speed",
+    "prompts": ["say hello"],
+    "seeds": [7],
+    "steps": 4,
+    "x": {"param": "voice", "values": ["Chelsie", "Ethan"]},
+    "y": {"param": "speed", "values": [1.0, 1.5]},
+}
 REFRESH_S = 1.5  # while the tab is open (app.py turns the timer on and off with the tab)
 
 
@@ -70,6 +88,9 @@ def form_document(
     guidance: str,
     negative: str,
     name: str,
+    voice: str = "",
+    speed: str = "",
+    say: bool = False,
 ) -> dict[str, Any]:
     """The job document the form describes (the same fields as the YAML and the API body)."""
     document: dict[str, Any] = {
@@ -87,6 +108,12 @@ def form_document(
             document[key] = _scalar(text, key)
     if negative and negative.strip():
         document["negative_prompt"] = negative
+    if voice and voice.strip():
+        document["voice"] = voice.strip()
+    if speed and speed.strip():
+        document["speed"] = _scalar(speed, "speed")
+    if say:
+        document["say"] = True
     if name and name.strip():
         document["name"] = name.strip()
     return document
@@ -115,6 +142,7 @@ def job_rows(service: JobService | None) -> list[list[str]]:
                 job.label,
                 job.status,
                 progress,
+                service.output_of(job),
                 owner_label(job.owner),
                 f"{job.created_at:%H:%M:%S}",
             ]
@@ -122,20 +150,23 @@ def job_rows(service: JobService | None) -> list[list[str]]:
     return rows
 
 
-def job_detail(service: JobService | None, job_id: str | None) -> tuple[str, str | None]:
-    """Markdown about one job, and its grid's path once it has one."""
+def job_detail(
+    service: JobService | None, job_id: str | None, players: PlayerCache | None = None
+) -> tuple[str, str | None, str]:
+    """Markdown about one job, its grid's path once it has one, and its table of players (speech jobs)."""
     if service is None:
-        return "Jobs are not available in this studio.", None
+        return "Jobs are not available in this studio.", None, ""
     if not job_id:
-        return "Submit a job, or click one in the list.", None
+        return "Submit a job, or click one in the list.", None, ""
     try:
         job: JobRecord = service.get(job_id, items=True)
     except JobNotFound:
-        return f"No job {job_id[:12]}.", None
+        return f"No job {job_id[:12]}.", None, ""
     position = service.positions().get(job.id)
     lines = [
         f"**{html.escape(job.label)}** · `{job.id[:12]}` · **{job.status}**"
-        + (f" · #{position} in the queue" if position else ""),
+        + (f" · #{position} in the queue" if position else "")
+        + f" · {html.escape(service.output_of(job))}",
         f"{job.done}/{job.total} cells done: {job.succeeded} succeeded"
         + (f", {job.failed} failed" if job.failed else "")
         + (f", {job.cancelled} cancelled" if job.cancelled else ""),
@@ -151,21 +182,28 @@ def job_detail(service: JobService | None, job_id: str | None) -> tuple[str, str
     grid = service.grid_path(job)
     if grid is not None and job.grid_run_id:
         lines.append(f"grid: run `{job.grid_run_id[:12]}` in History")
-    return "\n\n".join(lines), str(grid) if grid is not None else None
+    table = players_html(job, players or PlayerCache(service.store))
+    return "\n\n".join(lines), str(grid) if grid is not None else None, table
 
 
 def build_batch_tab(studio: Studio) -> dict[str, Any]:
+    speaks = bool(getattr(studio, "speaks", False))
+    first = SPEECH_FORM if speaks else IMAGE_FORM
+    voices = ", ".join(studio.voices()) if speaks else ""
+    example = SPEECH_EXAMPLE if speaks else SPEC_EXAMPLE
+    players = PlayerCache(getattr(job_service(studio), "store", None))
     with gr.Row(equal_height=False):
         with gr.Column(scale=2):
             gr.Markdown(
                 "Every prompt with every seed at every X and Y value is one cell: each runs through the "
-                "engine like any request (it appears in History) and the cells make one labelled grid.",
+                "engine like any request (it appears in History) and the cells make one labelled grid; a "
+                "model that speaks gives a table of players.",
                 elem_id="omni-batch-intro",
             )
             prompts = gr.Textbox(
                 label="Prompts (one per line)",
                 lines=3,
-                value=SPEC_EXAMPLE["prompts"][0],
+                value=example["prompts"][0],
                 elem_id="omni-batch-prompts",
             )
             seeds = gr.Textbox(
@@ -173,32 +211,47 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
             )
             with gr.Row():
                 x_param = gr.Dropdown(
-                    [NO_AXIS, *AXIS_PARAMS], value="guidance", label="X axis", elem_id="omni-batch-x-param"
+                    [NO_AXIS, *AXIS_PARAMS], value=first["x"][0], label="X axis", elem_id="omni-batch-x-param"
                 )
                 x_values = gr.Textbox(
-                    label="X values (comma-separated)", value="1.0, 3.0", elem_id="omni-batch-x-values"
+                    label="X values (comma-separated)",
+                    value=first["x"][1] or voices,
+                    elem_id="omni-batch-x-values",
                 )
             with gr.Row():
                 y_param = gr.Dropdown(
-                    [NO_AXIS, *AXIS_PARAMS], value="steps", label="Y axis", elem_id="omni-batch-y-param"
+                    [NO_AXIS, *AXIS_PARAMS], value=first["y"][0], label="Y axis", elem_id="omni-batch-y-param"
                 )
                 y_values = gr.Textbox(
-                    label="Y values (comma-separated)", value="2, 4", elem_id="omni-batch-y-values"
+                    label="Y values (comma-separated)", value=first["y"][1], elem_id="omni-batch-y-values"
                 )
             with gr.Row():
                 size = gr.Textbox(
-                    label="Size (WxH; empty: the model's)", value="64x64", elem_id="omni-batch-size"
+                    label="Size (WxH; empty: the model's)", value=first["size"], elem_id="omni-batch-size"
                 )
-                steps = gr.Textbox(label="Steps (empty: the model's)", elem_id="omni-batch-steps")
+                steps = gr.Textbox(
+                    label="Steps (empty: the model's)", value=first["steps"], elem_id="omni-batch-steps"
+                )
                 guidance = gr.Textbox(label="Guidance (empty: the model's)", elem_id="omni-batch-guidance")
             negative = gr.Textbox(label="Negative prompt", elem_id="omni-batch-negative")
+            with gr.Row():
+                voice = gr.Textbox(
+                    label=f"Voice (speech; empty: the model's first{': ' + voices if voices else ''})",
+                    elem_id="omni-batch-voice",
+                )
+                speed = gr.Textbox(
+                    label="Speed (speech: 0.25-4.0; empty: as spoken)", elem_id="omni-batch-speed"
+                )
+                say = gr.Checkbox(
+                    label="Say the prompts (speech: the words to say, audio only)", elem_id="omni-batch-say"
+                )
             name = gr.Textbox(
                 label="Name", placeholder="shown in the queue and on the grid", elem_id="omni-batch-name"
             )
             submit = gr.Button("Submit job", variant="primary", elem_id="omni-batch-submit")
             with gr.Accordion("…or paste a job file (the YAML of omni-studio batch)", open=False):
                 document = gr.Code(
-                    yaml.safe_dump(SPEC_EXAMPLE, sort_keys=False),
+                    yaml.safe_dump(example, sort_keys=False),
                     language="yaml",
                     label="Job YAML",
                     elem_id="omni-batch-yaml",
@@ -214,24 +267,19 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
                 elem_id="omni-batch-jobs",
             )
             detail = gr.Markdown("Submit a job, or click one in the list.", elem_id="omni-batch-detail")
+            table = gr.HTML("", elem_id="omni-batch-players")
             grid = gr.Image(
                 label="Grid", type="filepath", interactive=False, elem_id="omni-batch-grid", height=520
             )
     selected = gr.State(None)
-    shown = gr.State(None)  # the grid on screen: a tick sends it again only when it changes
+    shown = gr.State(None)  # (grid, players) on screen: a tick sends them again only when they change
     timer = gr.Timer(REFRESH_S, active=False)
+    nothing = (gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip())
 
     def submitted(spec_document: dict[str, Any] | str, request: gr.Request):
         service = job_service(studio)
         if service is None:
-            return (
-                gr.skip(),
-                "Jobs are not available in this studio.",
-                gr.skip(),
-                gr.skip(),
-                gr.skip(),
-                gr.skip(),
-            )
+            return (gr.skip(), "Jobs are not available in this studio.", *nothing)
         try:
             if isinstance(spec_document, str):
                 spec = load_job_file(spec_document, limits=service.limits)
@@ -240,13 +288,12 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
             viewer = viewer_of(studio, request)
             job = service.submit(spec, "ui", viewer.job_owner)
         except JobSpecError as exc:
-            return gr.skip(), problems_markdown(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return (gr.skip(), problems_markdown(exc), *nothing)
         except JobsUnavailable as exc:
-            note = f"<b>Not submitted</b>: {html.escape(str(exc))}"
-            return gr.skip(), note, gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        text, path = job_detail(service, job.id)
+            return (gr.skip(), f"<b>Not submitted</b>: {html.escape(str(exc))}", *nothing)
+        text, path, players_table = job_detail(service, job.id, players)
         note = f"Submitted job <code>{job.id[:12]}</code> ({job.total} cells); it runs in queue order (Queue tab)."
-        return job.id, note, job_rows(service), text, path, path
+        return job.id, note, job_rows(service), text, path, players_table, (path, players_table)
 
     def submit_form(
         prompts_v: str,
@@ -259,6 +306,9 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
         steps_v: str,
         guidance_v: str,
         negative_v: str,
+        voice_v: str,
+        speed_v: str,
+        say_v: bool,
         name_v: str,
         request: gr.Request,
     ):
@@ -275,25 +325,43 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
                 guidance_v,
                 negative_v,
                 name_v,
+                voice=voice_v,
+                speed=speed_v,
+                say=say_v,
             )
         except JobSpecError as exc:
-            return gr.skip(), problems_markdown(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return (gr.skip(), problems_markdown(exc), *nothing)
         return submitted(spec_document, request)
 
     def submit_text(text: str, request: gr.Request):
         return submitted(text or "", request)
 
-    outputs = [selected, status, jobs_table, detail, grid, shown]
-    form = [prompts, seeds, x_param, x_values, y_param, y_values, size, steps, guidance, negative, name]
+    outputs = [selected, status, jobs_table, detail, grid, table, shown]
+    form = [
+        prompts,
+        seeds,
+        x_param,
+        x_values,
+        y_param,
+        y_values,
+        size,
+        steps,
+        guidance,
+        negative,
+        voice,
+        speed,
+        say,
+        name,
+    ]
     submit.click(submit_form, form, outputs, api_name="batch_submit")
     submit_yaml.click(submit_text, [document], outputs, api_name="batch_submit_yaml")
 
-    def refresh(job_id: str | None, on_screen: str | None):
+    def refresh(job_id: str | None, on_screen: tuple[str | None, str] | None):
         service = job_service(studio)
-        text, path = job_detail(service, job_id)
-        if path == on_screen:
-            return job_rows(service), text, gr.skip(), gr.skip()
-        return job_rows(service), text, path, path
+        text, path, players_table = job_detail(service, job_id, players)
+        if on_screen is not None and tuple(on_screen) == (path, players_table):
+            return job_rows(service), text, gr.skip(), gr.skip(), gr.skip()
+        return job_rows(service), text, path, players_table, (path, players_table)
 
     def pick(evt: gr.SelectData):
         service = job_service(studio)
@@ -304,15 +372,15 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
             None,
         )
         if match is None or not prefix:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        text, path = job_detail(service, match.id)
-        return match.id, text, path, path
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        text, path, players_table = job_detail(service, match.id, players)
+        return match.id, text, path, players_table, (path, players_table)
 
-    jobs_table.select(pick, None, [selected, detail, grid, shown], api_name="batch_select")
+    jobs_table.select(pick, None, [selected, detail, grid, table, shown], api_name="batch_select")
     timer.tick(
         refresh,
         [selected, shown],
-        [jobs_table, detail, grid, shown],
+        [jobs_table, detail, grid, table, shown],
         api_name="batch_tick",
         api_visibility="private",
         show_progress="hidden",
@@ -321,5 +389,5 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
         "timer": timer,
         "refresh": refresh,
         "refresh_inputs": [selected, shown],
-        "refresh_outputs": [jobs_table, detail, grid, shown],
+        "refresh_outputs": [jobs_table, detail, grid, table, shown],
     }
