@@ -178,7 +178,12 @@ def _stage_devices(stage: ResolvedStage, backend: str) -> tuple[str, ...]:
 
 
 def _kv_cache(stage: ResolvedStage, model_path: Path, components: list[str], dtype: torch.dtype) -> KvCache:
-    config = read_json(Path(model_path) / components[0] / "config.json") if components else {}
+    config = read_json(Path(model_path) / (components[0] if components else ".") / "config.json")
+    if "thinker_config" in config:  # Qwen2.5-Omni: one folder, each AR stage's model nested (docs/speech.md)
+        thinker = config.get("thinker_config") or {}
+        config = (
+            (thinker.get("text_config") or {}) if stage.stage_id == 0 else config.get("talker_config") or {}
+        )
     text = text_config(config)
     args = stage.engine_args
     per_token = kv_bytes_per_token(text, dtype)
