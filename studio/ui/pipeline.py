@@ -1,5 +1,11 @@
 """The Pipeline tab: the running deploy config as YAML and as a per-stage form, validation with errors
-beside each stage, Apply (in-process engine rebuild; a failure keeps the old engine), presets, diff."""
+beside each stage, Apply (in-process engine rebuild; a failure keeps the old engine), presets, diff.
+
+Each stage is named by its hand-offs as the CLI's bars are (``thinker``, ``talker``, ``code2wav`` for
+Qwen2.5-Omni) and shows its kind's sampling defaults: an AR stage's temperature, top_p, top_k, max_tokens
+and repetition_penalty; a diffusion stage's steps and guidance, and its size unless it makes audio. A
+stage that renders its source in chunks while it generates (code2wav) also shows ``chunk_size``
+(docs/speech.md, "Streaming"): empty is the whole utterance at once."""
 
 from __future__ import annotations
 
@@ -9,18 +15,43 @@ from typing import Any
 import gradio as gr
 import yaml
 
-from engine.config.deploy import ARSamplingParams, DiffusionSamplingParams
+from engine.config.deploy import CHUNK_SIZE_MAX, ARSamplingParams, DiffusionSamplingParams
 from engine.config.pipeline import PRODUCIBLE_BY_KIND
 from engine.modality import format_output_modalities
+from studio.cli.progress import stage_labels
 from studio.controller import Studio, ValidationReport
 
 MAX_STAGES = 3
-AR_FIELDS = ("temperature", "top_p", "top_k", "max_tokens")
+AR_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "repetition_penalty")
 DIFFUSION_FIELDS = ("num_inference_steps", "guidance_scale", "height", "width")
+AUDIO_FIELDS = ("num_inference_steps", "guidance_scale")  # code2wav: no picture size
+SLOTS = max(len(AR_FIELDS), len(DIFFUSION_FIELDS))  # sampling boxes per stage
+INTEGER_FIELDS = ("top_k", "max_tokens", "num_inference_steps", "height", "width")
+CHUNK_LABEL = f"chunk_size (1-{CHUNK_SIZE_MAX} codes a chunk; empty: the whole utterance at once)"
 
 
-def output_choices(kind: str) -> list[str]:
-    """Every canonical spelling a stage of ``kind`` may declare (single names and ``+`` pairs)."""
+def sampling_fields(row: dict[str, Any]) -> tuple[str, ...]:
+    """The sampling defaults a stage's form shows (by its kind, and whether it makes audio)."""
+    if row["kind"] == "ar":
+        return AR_FIELDS
+    if "audio" in str(row.get("engine_output_type") or "").split("+"):
+        return AUDIO_FIELDS
+    return DIFFUSION_FIELDS
+
+
+def stage_header(row: dict[str, Any], name: str | None) -> str:
+    """``**stage 2** · code2wav · diffusion · talker2code2wav · final``."""
+    named = f" · {name}" if name and name != row["kind"] else ""
+    return (
+        f"**stage {row['stage_id']}**{named} · {row['kind']}"
+        + (f" · {row['input_processor']}" if row["input_processor"] else "")
+        + (" · final" if row["final_output"] else "")
+    )
+
+
+def output_choices(kind: str, current: str | None = None) -> list[str]:
+    """Every canonical spelling a stage of ``kind`` may declare (single names and ``+`` pairs), and the
+    stage's own when its family's topology declares another (``text+latent``, ``audio``)."""
     names = [m.value for m in PRODUCIBLE_BY_KIND[kind]]
     pairs = [
         format_output_modalities((a, b))
@@ -28,7 +59,8 @@ def output_choices(kind: str) -> list[str]:
         for b in PRODUCIBLE_BY_KIND[kind]
         if a != b
     ]
-    return names + pairs
+    choices = names + pairs
+    return choices + [current] if current and current not in choices else choices
 
 
 def field_help(kind: str, name: str) -> str:
@@ -55,7 +87,7 @@ def overlay_raw_values(text: str, rows: list[dict[str, Any]]) -> None:
         for key in ("engine_output_type", "backend"):
             if key in entry:
                 row[key] = entry[key]
-        for key in ("max_num_seqs", "devices"):
+        for key in ("max_num_seqs", "devices", "chunk_size"):
             if key in entry:
                 row["engine_args"][key] = entry[key]
         if isinstance(entry.get("default_sampling_params"), dict):
@@ -119,9 +151,19 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                         max_num_seqs = gr.Number(label="max_num_seqs (1-1024)", precision=0)
                         devices = gr.Textbox(label="devices (auto, cpu, 0, 0,1)")
                     sampling = []
-                    for pair in (DIFFUSION_FIELDS[:2], DIFFUSION_FIELDS[2:]):
+                    for first in range(0, SLOTS, 2):
                         with gr.Row():
-                            sampling += [gr.Number(label=name) for name in pair]
+                            sampling += [
+                                gr.Number(label=f"sampling {i}", elem_id=f"omni-stage{index}-sampling{i}")
+                                for i in range(first, min(first + 2, SLOTS))
+                            ]
+                            if first + 2 >= SLOTS:
+                                chunk_size = gr.Number(
+                                    label=CHUNK_LABEL,
+                                    precision=0,
+                                    visible=False,
+                                    elem_id=f"omni-stage{index}-chunk-size",
+                                )
                     errors = gr.HTML("", elem_id=f"omni-stage{index}-errors")
                 stage_boxes.append(
                     {
@@ -132,6 +174,7 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                         "max_num_seqs": max_num_seqs,
                         "devices": devices,
                         "sampling": sampling,
+                        "chunk_size": chunk_size,
                         "errors": errors,
                     }
                 )
@@ -142,6 +185,18 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
         config = report.config or studio.config
         return [s.to_dict() for s in config.stages][:MAX_STAGES]
 
+    def stage_names() -> dict[int, str]:
+        return stage_labels(studio.config.stages)[0]
+
+    def chunks(row: dict[str, Any], entry: dict[str, Any] | None = None) -> bool:
+        """Whether a stage shows chunk_size: its runner renders chunks (code2wav), or it is set."""
+        runner = getattr(studio.engine, "runners", {}).get(row["stage_id"])
+        return (
+            bool(getattr(runner, "consumes_chunks", False))
+            or row["engine_args"].get("chunk_size") is not None
+            or bool(entry and "chunk_size" in entry)
+        )
+
     def form_updates(text: str, report: ValidationReport | None = None) -> list[Any]:
         try:
             rows = stage_rows(text)
@@ -149,27 +204,36 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             rows = [s.to_dict() for s in studio.config.stages]
         overlay_raw_values(text, rows)
         grouped = report.by_stage() if report else {}
+        names = stage_names()
         updates: list[Any] = []
         for index, box in enumerate(stage_boxes):
             if index >= len(rows):
                 updates += [gr.update(visible=False), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
-                updates += [gr.skip()] * len(box["sampling"]) + [""]
+                updates += [gr.skip()] * len(box["sampling"]) + [gr.skip(), ""]
                 continue
             row = rows[index]
             kind = row["kind"]
-            names = AR_FIELDS if kind == "ar" else DIFFUSION_FIELDS
+            fields = sampling_fields(row)
             sampling = row["default_sampling_params"]
             updates += [
                 gr.update(visible=True),
-                f"**stage {row['stage_id']}** · {kind}"
-                + (f" · {row['input_processor']}" if row["input_processor"] else "")
-                + (" · final" if row["final_output"] else ""),
-                gr.update(choices=output_choices(kind), value=row["engine_output_type"]),
+                stage_header(row, names.get(row["stage_id"])),
+                gr.update(
+                    choices=output_choices(kind, row["engine_output_type"]), value=row["engine_output_type"]
+                ),
                 gr.update(value=row["backend"], interactive=kind == "ar"),
                 row["engine_args"].get("max_num_seqs"),
                 row["engine_args"].get("devices"),
             ]
-            updates += [gr.update(label=field_help(kind, name), value=sampling.get(name)) for name in names]
+            for slot in range(len(box["sampling"])):
+                if slot < len(fields):
+                    name = fields[slot]
+                    updates.append(
+                        gr.update(label=field_help(kind, name), value=sampling.get(name), visible=True)
+                    )
+                else:
+                    updates.append(gr.update(value=None, visible=False))
+            updates.append(gr.update(value=row["engine_args"].get("chunk_size"), visible=chunks(row)))
             updates.append(render_problems(grouped.get(row["stage_id"], [])))
         return updates
 
@@ -183,6 +247,7 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             box["max_num_seqs"],
             box["devices"],
             *box["sampling"],
+            box["chunk_size"],
             box["errors"],
         ]
 
@@ -245,10 +310,10 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                 f"<div class='omni-invalid'>The YAML does not parse: {html.escape(str(exc))}</div>",
             )
         rows = stage_rows(text)
-        per_box = 4 + len(DIFFUSION_FIELDS)
+        per_box = 4 + SLOTS + 1
         stages = data.setdefault("stages", [])
         for index, row in enumerate(rows):
-            output_type, backend, max_num_seqs, devices, *sampling = values[
+            output_type, backend, max_num_seqs, devices, *sampling, chunk_size = values[
                 index * per_box : (index + 1) * per_box
             ]
             entry = next(
@@ -268,13 +333,17 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                 # the running value (the file then carries just what the user tuned).
                 if key in entry or value != row.get(key, row["engine_args"].get(key)):
                     entry[key] = value
-            names = AR_FIELDS if row["kind"] == "ar" else DIFFUSION_FIELDS
+            if chunks(row, entry):
+                if chunk_size in (None, ""):  # empty: the whole utterance at once (the key unset)
+                    entry.pop("chunk_size", None)
+                elif "chunk_size" in entry or chunk_size != row["engine_args"].get("chunk_size"):
+                    entry["chunk_size"] = int(chunk_size)
+            names = sampling_fields(row)
             params = entry.setdefault("default_sampling_params", {})
-            for name, value in zip(names, sampling, strict=True):
+            for name, value in zip(names, sampling[: len(names)], strict=True):
                 if value is None:
                     continue
-                integer = name in ("top_k", "max_tokens", "num_inference_steps", "height", "width")
-                value = int(value) if integer else float(value)
+                value = int(value) if name in INTEGER_FIELDS else float(value)
                 if name in params or value != row["default_sampling_params"].get(name):
                     params[name] = value
             if not params:
@@ -290,6 +359,7 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             box["max_num_seqs"],
             box["devices"],
             *box["sampling"],
+            box["chunk_size"],
         ]
     form_to_yaml.click(on_form_to_yaml, [editor, *form_inputs], [editor, result], api_name="form_to_yaml")
 
