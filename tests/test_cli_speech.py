@@ -147,6 +147,42 @@ def test_speed_makes_a_shorter_file_and_is_recorded(run, tmp_path: Path) -> None
     assert recorded_runs(run.data_dir)[-1].parameters["speed"] == 1.5
 
 
+def test_a_spoken_files_recipe_runs_again_and_finds_its_run(run, tmp_path: Path, capsys) -> None:
+    """`run --recipe X.wav` says the same words in the same voice at the same tempo (the same samples);
+    `history show --file` finds the run a WAV (by its bytes) or a FLAC (by its recipe) came from."""
+    first, flac = tmp_path / "first.wav", tmp_path / "first.flac"
+    args = (
+        "be brief",
+        "--speak-text",
+        "these exact words",
+        "--voice",
+        "Ethan",
+        "--speed",
+        "1.25",
+        "--seed",
+        "8",
+    )
+    assert run(*args, "--out", str(first))[0] == 0
+    assert run(*args, "--out", str(flac))[0] == 0
+    again = tmp_path / "again.wav"
+    code, _, stderr = run("--recipe", str(first), "--out", str(again))
+    assert code == 0, stderr
+    assert "the same samples as the recipe's audio" in stderr and "differs from the recipe" not in stderr
+    assert np.array_equal(soundfile.read(again, dtype="int16")[0], soundfile.read(first, dtype="int16")[0])
+    runs = recorded_runs(run.data_dir)
+    assert runs[-1].parameters["speak_text"] == "these exact words" and runs[-1].parameters["speed"] == 1.25
+    assert runs[-1].parameters["voice"] == "Ethan" and runs[-1].parameters["modalities"] == ["text", "audio"]
+    for path, how in ((first, "the file is an output of"), (flac, "its recipe matches")):
+        code = main(["history", "show", "--file", str(path), "--data-dir", str(run.data_dir)])
+        out = capsys.readouterr().out
+        assert code == 0 and how in out and runs[0].id[:12] in out, out
+    (tmp_path / "plain.wav").write_bytes(b"RIFF....WAVEfmt ")
+    assert (
+        main(["history", "show", "--file", str(tmp_path / "plain.wav"), "--data-dir", str(run.data_dir)]) == 2
+    )
+    assert "no run recorded for this file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -1,6 +1,6 @@
 """PNG recipes (docs/recipes.md): every PNG the studio writes carries A1111's `parameters` chunk and our
 `omni_studio` JSON chunk, with no clock in them (same request + seed -> same bytes, from the API, the UI
-or the CLI alike); the Chat tab's "Load recipe from PNG", `omni-studio run --recipe` and
+or the CLI alike); the Chat tab's "Load recipe", `omni-studio run --recipe` and
 `omni-studio history show --png` read them back."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_a1111_text_is_what_a1111_writes_and_reads_back(tmp_path):
 
 
 def test_files_without_a_recipe_are_named_in_the_error(tmp_path):
-    with pytest.raises(RecipeError, match=r"x\.png is not a PNG file"):
+    with pytest.raises(RecipeError, match=r"x\.png is not a PNG, WAV or FLAC file"):
         read_recipe(b"GIF89a...", "x.png")
     with pytest.raises(
         RecipeError, match="plain.png carries no recipe: it has no 'omni_studio' or 'parameters'"
@@ -338,10 +338,11 @@ def test_load_recipe_restores_the_chat_form(studio, client, tmp_path):
     data, _ = api_png(studio, prompt, seed=5, size="96x64", num_inference_steps=6)
     path = tmp_path / "ours.png"
     path.write_bytes(data)
-    # Outputs: message, seed, width, height, steps, guidance, negative prompt, modalities, note, drop zone.
-    message, seed, width, height, steps, guidance, negative, modalities, note, zone = client.predict(
-        handle_file(str(path)), api_name="/load_recipe"
-    )
+    # Outputs: message, seed, width, height, steps, guidance, negative prompt, modalities, voice, reply
+    # with, max tokens (the last three: spoken runs' WAV/FLAC recipes), note, drop zone.
+    restored = client.predict(handle_file(str(path)), api_name="/load_recipe")
+    message, seed, width, height, steps, guidance, negative, modalities, *speech, note, zone = restored
+    assert all(value == {"__type__": "update"} for value in speech)  # an image's recipe: left as they are
     assert zone is None  # emptied, ready for the next PNG
     assert message == {"text": prompt, "files": []}
     assert (seed, width, height, steps, guidance, negative) == (5, 96, 64, 6, 1.5, "blurry, dark")
@@ -351,12 +352,12 @@ def test_load_recipe_restores_the_chat_form(studio, client, tmp_path):
     a1111 = client.predict(handle_file(str(a1111_png(tmp_path / "a1111.png"))), api_name="/load_recipe")
     assert a1111[0] == {"text": "masterpiece, a lighthouse at dusk\non a cliff", "files": []}
     assert a1111[1:7] == (99, 64, 96, 3, 2.5, "lowres, blurry")
-    assert "Restored from an A1111 recipe" in a1111[8] and "Sampler: Euler a" in a1111[8]
-    assert "`v1-5-pruned-emaonly` is not one of this studio's" in a1111[8]
+    assert "Restored from an A1111 recipe" in a1111[11] and "Sampler: Euler a" in a1111[11]
+    assert "`v1-5-pruned-emaonly` is not one of this studio's" in a1111[11]
 
     none = client.predict(handle_file(str(plain_png(tmp_path / "plain.png"))), api_name="/load_recipe")
-    assert "plain.png carries no recipe" in none[8]
-    assert all(value == {"__type__": "update"} for value in none[:8])  # the form is left as it was
+    assert "plain.png carries no recipe" in none[11]
+    assert all(value == {"__type__": "update"} for value in none[:11])  # the form is left as it was
 
 
 def test_history_show_png_finds_the_run(studio, capsys, tmp_path):
@@ -381,16 +382,16 @@ def test_history_show_png_finds_the_run(studio, capsys, tmp_path):
     code, _, err = cli(
         capsys, "history", "show", "--png", str(plain_png(tmp_path / "p.png")), "--data-dir", data_dir
     )
-    assert code != 0 and "no run recorded for this PNG" in err
+    assert code != 0 and "no run recorded for this file" in err
     code, _, err = cli(
         capsys, "history", "show", "--png", str(a1111_png(tmp_path / "a.png")), "--data-dir", data_dir
     )
-    assert code != 0 and "no run recorded for this PNG" in err
+    assert code != 0 and "no run recorded for this file" in err
     (tmp_path / "notes.png").write_text("not a picture")
     code, _, err = cli(
         capsys, "history", "show", "--png", str(tmp_path / "notes.png"), "--data-dir", data_dir
     )
-    assert code == 2 and "notes.png is not a PNG file" in err
+    assert code == 2 and "notes.png is not a PNG, WAV or FLAC file" in err
     code, _, err = cli(capsys, "history", "show", run_id, "--png", str(path), "--data-dir", data_dir)
     assert code == 2 and "not both" in err
 
@@ -415,7 +416,7 @@ def test_the_recipes_model_and_deploy_config_are_one_click_away(studio, client, 
     )
     code, _, err = cli(capsys, "run", "a purple moon", "--seed", "8", "--out", str(made), "--quiet", *args)
     assert code == 0, err
-    note = client.predict(handle_file(str(made)), api_name="/load_recipe")[8]
+    note = client.predict(handle_file(str(made)), api_name="/load_recipe")[11]
     assert "Use the button below to switch" in note
     recipe = read_recipe(made.read_bytes())
     switched, model = client.predict(api_name="/use_recipe_pipeline")  # the note and the model picker
@@ -498,12 +499,12 @@ def test_run_recipe_refuses_files_without_one(capsys, tmp_path):
     (tmp_path / "notes.png").write_text("hello")
     for path, message in (
         (tmp_path / "missing.png", "--recipe: no such file"),
-        (tmp_path / "notes.png", "notes.png is not a PNG file"),
+        (tmp_path / "notes.png", "notes.png is not a PNG, WAV or FLAC file"),
         (plain_png(tmp_path / "plain.png"), "plain.png carries no recipe"),
     ):
         code, _, err = cli(capsys, "run", "--recipe", str(path), *out, *data)
         assert code == 2 and message in err, err
     code, _, err = cli(capsys, "run", *out, *data)
-    assert code == 2 and "give a PROMPT, or --recipe FILE.png" in err
+    assert code == 2 and "give a PROMPT, or --recipe FILE to re-run" in err
     code, _, err = cli(capsys, "history", "show", *data)
     assert code == 2 and "give a run ID (or --png FILE.png)" in err

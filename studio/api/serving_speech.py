@@ -19,9 +19,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from engine import GenerationParams, GenerationRequest, ResolvedRequest
+from engine import ResolvedRequest
 from engine.events import AudioDelta, RunFailed, RunFinished
-from engine.modality import OutputModality
 from studio.api.audio_io import (
     check_speaks,
     check_voice,
@@ -45,6 +44,7 @@ from studio.api.serving_base import (
 from studio.api.serving_chat import sse
 from studio.media.audio import AUDIO_FORMATS, pcm16_chunk, streaming_wav_header
 from studio.runs.service import RunRejected
+from studio.runs.speech import speech_input_problem, speech_request
 
 
 class StreamAborted(RuntimeError):
@@ -61,17 +61,13 @@ class OpenAIServingSpeech(OpenAIServing):
         self.check_fields(request)
         voice = voice_name(request.voice)
         check_voice(self.engine, self.served_model_name, voice, "voice")
-        prompt = request.input if not request.instructions else f"{request.instructions}\n\n{request.input}"
-        engine_request = GenerationRequest(
-            prompt,
-            GenerationParams(
-                seed=request.seed,
-                voice=voice,
-                num_inference_steps=request.num_inference_steps,
-                speed=None if request.speed == 1.0 else request.speed,  # 1.0: as spoken, not stretched
-            ),
-            modalities=(OutputModality.AUDIO,),
-            speak_text=request.input,
+        engine_request = speech_request(
+            request.input,
+            voice=voice,
+            speed=request.speed,
+            seed=request.seed,
+            instructions=request.instructions,
+            num_inference_steps=request.num_inference_steps,
         )
         resolved, tracker = self.start_run(engine_request, payload)
         headers = {**reply_headers(resolved, tracker), **fingerprint_headers(self.system_fingerprint)}
@@ -104,16 +100,10 @@ class OpenAIServingSpeech(OpenAIServing):
         """``input`` (not blank, within ``--max-speech-chars``), ``instructions`` and a streamable
         ``response_format`` when streaming: a 400 naming the field and what is allowed."""
         limits = self.context.limits
-        if not request.input.strip():
-            raise APIError(400, "input is blank: give the text to speak", "input")
-        if len(request.input) > limits.max_speech_chars:
-            raise APIError(
-                400,
-                f"input is {len(request.input)} characters; the limit is {limits.max_speech_chars} "
-                "(--max-speech-chars)",
-                "input",
-                "input_too_long",
-            )
+        problem = speech_input_problem(request.input, limits.max_speech_chars)
+        if problem is not None:
+            code = "input_too_long" if request.input.strip() else None
+            raise APIError(400, problem, "input", code)
         check_text(request.instructions, "instructions", limits)
         check_generation_limits(request.model_dump(include={"num_inference_steps"}), limits)
         if request.stream_format is not None and request.response_format not in STREAMABLE_SPEECH_FORMATS:

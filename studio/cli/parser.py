@@ -276,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the speaker of a model that speaks (e.g. Chelsie, Ethan)",
     )
     r.add_argument(
+        "--speak-text",
+        default=None,
+        metavar="TEXT",
+        help="a model that speaks says TEXT word for word (as /v1/audio/speech's input; PROMPT: the "
+        "instructions before it)",
+    )
+    r.add_argument(
         "--speed",
         type=float,
         default=None,
@@ -296,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--recipe",
         default=None,
-        metavar="FILE.png",
-        help="re-run the recipe in a PNG saved by Omni Studio or A1111 (flags given override it; docs/recipes.md)",
+        metavar="FILE",
+        help="re-run the recipe in a PNG saved by Omni Studio or A1111, or a WAV or FLAC saved by Omni Studio "
+        "(flags given override it; docs/recipes.md)",
     )
 
     validate = command(
@@ -352,10 +360,12 @@ def build_parser() -> argparse.ArgumentParser:
         "run_id", nargs="?", default=None, metavar="ID", help="a run id or a unique prefix of one"
     )
     show.add_argument(
+        "--file",
         "--png",
+        dest="png",
         default=None,
-        metavar="FILE.png",
-        help="instead of an ID: the run(s) a PNG came from (by its sha256, else by its recipe)",
+        metavar="FILE",
+        help="instead of an ID: the run(s) a PNG, WAV or FLAC came from (by its sha256, else by its recipe)",
     )
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
     export = action(

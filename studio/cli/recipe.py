@@ -1,5 +1,5 @@
-"""The command line's side of PNG recipes: ``omni-studio run --recipe FILE.png`` and
-``omni-studio history show --png FILE.png`` (hooked into ``studio/cli/run.py`` and ``studio/cli/history.py``; docs/recipes.md).
+"""The command line's side of recipes (PNGs, and WAV/FLAC files of spoken runs): ``omni-studio run --recipe
+FILE`` and ``omni-studio history show --file FILE`` (hooked into ``studio/cli/run.py`` and ``studio/cli/history.py``; docs/recipes.md).
 """
 
 from __future__ import annotations
@@ -13,8 +13,15 @@ from typing import Any
 
 from engine.tiny import BUILTIN_MODELS
 from studio.errors import UserError
-from studio.recipes.recipe import Recipe, RecipeError, read_recipe
-from studio.recipes.runs import BY_FILE, compare_with_original, parameter_changes, plan_rerun, runs_for_png
+from studio.recipes.recipe import Recipe, RecipeError, is_audio_file, read_recipe
+from studio.recipes.runs import (
+    BY_FILE,
+    compare_audio_with_original,
+    compare_with_original,
+    parameter_changes,
+    plan_rerun,
+    runs_for_png,
+)
 from studio.startup.settings import StudioSettings
 
 # `run` flags a recipe fills when they are not given on the command line, and their recipe parameter
@@ -27,12 +34,17 @@ _PARAMETER_OF = {
     "guidance": "guidance_scale",
     "negative_prompt": "negative_prompt",
     "temperature": "temperature",
+    "voice": "voice",
+    "speed": "speed",
+    "speak_text": "speak_text",
+    "max_tokens": "max_tokens",
+    "modalities": "modalities",
 }
 RECIPE_RUN_FIELDS = ("prompt", "image", *_PARAMETER_OF)
 
 
-def read_png(path: str, flag: str) -> bytes:
-    """The bytes of the PNG ``path`` names (``flag`` names the option in errors)."""
+def read_file(path: str, flag: str) -> bytes:
+    """The bytes of the file ``path`` names (``flag`` names the option in errors)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise UserError(f"{flag}: no such file: {path}")
@@ -40,8 +52,9 @@ def read_png(path: str, flag: str) -> bytes:
 
 
 def load_recipe(path: str, flag: str) -> tuple[bytes, Recipe]:
-    """The file's bytes and its recipe; a file that is not a PNG or has no recipe is a usage error."""
-    data = read_png(path, flag)
+    """The file's bytes and its recipe; a file that is not a PNG, WAV or FLAC or has no recipe is a usage
+    error."""
+    data = read_file(path, flag)
     try:
         return data, read_recipe(data, path)
     except RecipeError as exc:
@@ -74,8 +87,11 @@ def apply_recipe(args: argparse.Namespace, settings: StudioSettings) -> StudioSe
     return replace(settings, model=plan.model, deploy_config=plan.deploy_config)
 
 
-def report_rerun(args: argparse.Namespace, resolved: Any, config_hash: str, outputs: list[bytes]) -> None:
-    """After ``run --recipe``: what differs from the recipe (parameters, config) and how the new PNG compares."""
+def report_rerun(args: argparse.Namespace, resolved: Any, config_hash: str, result: Any) -> None:
+    """After ``run --recipe``: what differs from the recipe (parameters, config) and how the new output
+    compares with the recipe's file (a PNG's pixels, a WAV's or FLAC's samples)."""
+    from studio.media.images import png_bytes
+
     original, recipe = load_recipe(args.recipe, "--recipe")
     overridden = {
         _PARAMETER_OF[name] for name in getattr(args, "recipe_given", set()) if name in _PARAMETER_OF
@@ -87,25 +103,34 @@ def report_rerun(args: argparse.Namespace, resolved: Any, config_hash: str, outp
             f"omni-studio run: the recipe was made with config {recipe.config_hash[:8]}, this run used {config_hash[:8]}",
             file=sys.stderr,
         )
-    if len(outputs) == 1:
-        print(f"omni-studio run: {compare_with_original(original, outputs[0])}", file=sys.stderr)
+    if is_audio_file(original):
+        spoken = [o for o in result.outputs if o.audio is not None]
+        if len(spoken) == 1:
+            line = compare_audio_with_original(original, spoken[0].audio, spoken[0].sample_rate)
+            print(f"omni-studio run: {line}", file=sys.stderr)
+    elif len(result.images) == 1:
+        print(
+            f"omni-studio run: {compare_with_original(original, png_bytes(result.images[0]))}",
+            file=sys.stderr,
+        )
 
 
 def show_png_runs(args: argparse.Namespace, store: Any) -> int:
-    """``history show --png FILE.png``: the run(s) the PNG came from, as ``history show ID`` prints them."""
+    """``history show --file FILE`` (or ``--png``): the run(s) a PNG, WAV or FLAC came from, as ``history
+    show ID`` prints them."""
     from studio.store.terminal import format_run_detail
 
-    data = read_png(args.png, "--png")
+    data = read_file(args.png, "--file")
     try:
         recipe: Recipe | None = read_recipe(data, args.png)
     except RecipeError as exc:
-        if not data.startswith(b"\x89PNG"):
-            raise UserError(f"--png: {exc}") from None
-        recipe = None  # a PNG without a recipe can still be a recorded output (by its sha256)
+        if not (data.startswith(b"\x89PNG") or is_audio_file(data)):
+            raise UserError(f"--file: {exc}") from None
+        recipe = None  # a file without a recipe can still be a recorded output (by its sha256)
     found = runs_for_png(store, data, recipe)
     if not found.run_ids:
         why = "" if recipe is not None else " (it carries no recipe, and its sha256 is no recorded output)"
-        raise UserError(f"no run recorded for this PNG: {args.png}{why}")
+        raise UserError(f"no run recorded for this file: {args.png}{why}")
     details = [store.get_run(run_id) for run_id in found.run_ids]
     runs = "this run" if len(details) == 1 else "each of these runs"
     how = (

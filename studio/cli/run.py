@@ -54,6 +54,7 @@ RUN_REQUEST_FIELDS = (
     "temperature",
     "voice",
     "speed",
+    "speak_text",
     "modalities",
     "n",
     "model",
@@ -121,7 +122,6 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
     from engine.modality import OutputModality
     from studio.cli.progress import StageProgressBars, stage_labels
     from studio.media.audio import EXTENSIONS as AUDIO_EXTENSIONS
-    from studio.media.images import png_bytes
     from studio.runs.service import RunService
     from studio.startup.launch import close_recorder, open_recorder, start_engine
 
@@ -130,7 +130,7 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
 
         settings = apply_recipe(args, settings)
     if args.prompt is None:
-        raise UserError("give a PROMPT, or --recipe FILE.png to re-run a PNG's recipe")
+        raise UserError("give a PROMPT, or --recipe FILE to re-run the recipe of a PNG, WAV or FLAC")
     image = load_image_source(args.image) if args.image else None
     modalities = parse_modalities(args.modalities)
     with StartupCollection():  # engine/environment.py
@@ -154,6 +154,7 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
             ),
             image=image,
             modalities=modalities,
+            speak_text=args.speak_text,
         )
         runs = RunService(None, "cli", limits=settings.limits)
         try:
@@ -220,7 +221,7 @@ def cmd_run(args: argparse.Namespace, settings: StudioSettings) -> int:
         if args.recipe:
             from studio.cli.recipe import report_rerun
 
-            report_rerun(args, resolved, engine.config.config_hash(), [png_bytes(i) for i in result.images])
+            report_rerun(args, resolved, engine.config.config_hash(), result)
         print(f"seed {resolved.seed}", file=sys.stderr)
         print(
             f"recorded as run {tracker.run_id[:12]} (omni-studio history show {tracker.run_id[:12]})",

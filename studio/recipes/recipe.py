@@ -269,11 +269,32 @@ def grid_recipe_chunks(job_id: str, label: str, spec: dict[str, Any]) -> list[tu
     ]
 
 
-def read_recipe(data: bytes, name: str = "the file") -> Recipe:
-    """The recipe in PNG ``data``: our ``omni_studio`` chunk, else an A1111 ``parameters`` chunk.
+def is_audio_file(data: bytes) -> bool:
+    """WAV or FLAC bytes (the audio files that carry a recipe: docs/speech.md, "The recipe in WAV and FLAC")."""
+    return (data[:4] == b"RIFF" and data[8:12] == b"WAVE") or data[:4] == b"fLaC"
 
-    Raises :class:`RecipeError` naming ``name`` when it is not a PNG or carries no recipe.
+
+def read_recipe(data: bytes, name: str = "the file") -> Recipe:
+    """The recipe in ``data``: a PNG's ``omni_studio`` chunk, else its A1111 ``parameters`` chunk; a WAV's or
+    FLAC's comment (a spoken run's file).
+
+    Raises :class:`RecipeError` naming ``name`` when it is none of these or carries no recipe.
     """
+    if is_audio_file(data):
+        from studio.media.audio import read_audio_recipe
+
+        body = read_audio_recipe(data)
+        if body is None:
+            raise RecipeError(
+                f"{name} carries no recipe: WAV and FLAC files saved by Omni Studio keep one in their "
+                "comment, and this one has none"
+            )
+        try:
+            return parse_recipe_object(body)
+        except RecipeError as exc:
+            raise RecipeError(f"{name}: {exc}") from None
+    if not data.startswith(PNG_SIGNATURE):
+        raise RecipeError(f"{name} is not a PNG, WAV or FLAC file")
     chunks = png_text_chunks(data, name)
     notes: list[str] = []
     if RECIPE_KEY in chunks and _is_grid(chunks[RECIPE_KEY]):
@@ -313,6 +334,11 @@ def parse_recipe_json(text: str) -> Recipe:
         raise RecipeError(f"the '{RECIPE_KEY}' chunk is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise RecipeError(f"the '{RECIPE_KEY}' chunk is not a JSON object")
+    return parse_recipe_object(body)
+
+
+def parse_recipe_object(body: dict[str, Any]) -> Recipe:
+    """A :class:`Recipe` from the recipe's JSON object (a PNG's chunk, a WAV's or FLAC's comment)."""
     version = body.get("recipe")
     request = body.get("request")
     parameters = body.get("parameters")

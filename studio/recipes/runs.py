@@ -1,7 +1,7 @@
 """From a PNG's recipe back to runs: the recorded run(s) it came from, and what re-running it takes.
 
 Used by ``omni-studio history show --png`` and ``omni-studio run --recipe`` (``studio/cli/history.py``, ``studio/cli/run.py``) and by the
-Chat tab's "Load recipe from PNG" (``studio/ui/recipe.py``); the format itself is ``studio/recipes/recipe.py``.
+Chat tab's "Load recipe" (``studio/ui/recipe.py``); the format itself is ``studio/recipes/recipe.py``.
 A PNG is matched to runs by its sha256 first (the run store keeps outputs content-addressed, so an
 untouched file is exactly one output of the run(s) that made it); a re-saved or edited PNG by its recipe
 (config hash, prompt, seed and parameters), since the recipe carries no run id (docs/recipes.md says why).
@@ -19,7 +19,7 @@ import yaml
 from PIL import Image
 
 from engine.config import DeployConfig, StageConfig
-from studio.recipes.recipe import A1111, Recipe, RecipeError
+from studio.recipes.recipe import A1111, Recipe, RecipeError, is_audio_file
 from studio.store.files import OutputFiles
 from studio.store.records import RunFilter
 
@@ -43,13 +43,14 @@ class PngRuns:
 
 
 def runs_for_png(store: Any, data: bytes, recipe: Recipe | None) -> PngRuns:
-    """The recorded runs ``data`` (PNG bytes, its ``recipe`` if it has one) came from, in ``store``.
+    """The recorded runs ``data`` (a PNG's, WAV's or FLAC's bytes, its ``recipe`` if it has one) came from,
+    in ``store``.
 
     By the file's sha256 first; failing that by the recipe: same prompt and config hash (A1111 recipes:
     the prompt), a seed within the run's outputs, and the same parameters otherwise.
     """
     sha256 = hashlib.sha256(data).hexdigest()
-    ids = store.runs_with_output(sha256)
+    ids = store.runs_with_output(sha256, "audio" if is_audio_file(data) else "image")
     if ids:
         return PngRuns(sha256, BY_FILE, ids)
     if recipe is None or recipe.seed is None:
@@ -95,6 +96,9 @@ RUN_FIELDS = {
     "guidance_scale": "guidance",
     "negative_prompt": "negative_prompt",
     "temperature": "temperature",
+    "voice": "voice",  # speech (docs/speech.md): the speaker, the tempo, the words given to say
+    "speed": "speed",
+    "speak_text": "speak_text",
 }
 
 
@@ -133,6 +137,13 @@ def plan_rerun(
     for key, name in RUN_FIELDS.items():
         if given.get(name) is None and recipe.parameters.get(key) is not None:
             fields[name] = recipe.parameters[key]
+    speaks = "audio" in (recipe.parameters.get("modalities") or ())
+    # A spoken run's text budget is its own (the thinker's max_tokens; an image's follows its size).
+    if speaks and given.get("max_tokens") is None and recipe.parameters.get("max_tokens") is not None:
+        fields["max_tokens"] = recipe.parameters["max_tokens"]
+    modalities = recipe.parameters.get("modalities")
+    if speaks and given.get("modalities") is None and isinstance(modalities, list):
+        fields["modalities"] = "+".join(str(m) for m in modalities)
     if recipe.history:
         notes.append(
             f"the recipe continues a conversation of {len(recipe.history)} turn(s); `run` sends the prompt alone"
@@ -219,6 +230,27 @@ def parameter_changes(
         if recipe.parameters.get(key) != parameters.get(key):
             changes.append(f"{key}: {recipe.parameters.get(key)!r} -> {parameters.get(key)!r}")
     return changes
+
+
+def compare_audio_with_original(original: bytes, samples: Any, sample_rate: int) -> str:
+    """One line on how a re-run's audio compares with the recipe's WAV or FLAC: the same samples or not
+    (the largest difference, in 16-bit steps, and the length of each when they differ)."""
+    import numpy as np
+    import soundfile  # type: ignore[import-untyped]  # ships no type information
+
+    from studio.media.audio import pcm16
+
+    before, rate = soundfile.read(io.BytesIO(original), dtype="int16")
+    after = pcm16(samples)
+    if rate == sample_rate and before.shape == after.shape and np.array_equal(before, after):
+        return "the same samples as the recipe's audio"
+    if before.shape != after.shape or rate != sample_rate:
+        return (
+            f"different audio from the recipe's: {after.size / sample_rate:.2f} s at {sample_rate} Hz now, "
+            f"{before.size / rate:.2f} s at {rate} Hz in the file"
+        )
+    largest = int(np.abs(before.astype(np.int32) - after.astype(np.int32)).max())
+    return f"different samples from the recipe's audio (largest difference {largest} of 32767)"
 
 
 def compare_with_original(original: bytes, new: bytes) -> str:

@@ -21,6 +21,7 @@ from studio.ui.jobs import build_batch_tab
 from studio.ui.pipeline import build_pipeline_tab
 from studio.ui.queue import build_queue_tab, tab_timers
 from studio.ui.serving import build_serving_tab
+from studio.ui.speech import build_speech_tab
 from studio.ui.system import build_system_tab
 
 CSS = """
@@ -53,6 +54,8 @@ def build_ui(studio: Studio) -> gr.Blocks:
         with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
                 chat = build_chat_tab(studio)
+            with gr.Tab("Speech", id="speech"):
+                speech = build_speech_tab(studio)
             with gr.Tab("Pipeline", id="pipeline") as pipeline_tab:
                 pipeline = build_pipeline_tab(studio)
             with gr.Tab("Serving", id="serving") as serving_tab:
@@ -70,6 +73,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         )
         for event in (pipeline["apply_event"], chat["switch_event"]):  # the header names the running config
             event.then(lambda: header(studio), None, [title], api_visibility="private")
+            event.then(speech["sync"], None, speech["sync_outputs"], api_visibility="private")
         # Each tab shows the current state when opened (another tab, the API or the CLI may have changed it).
         pipeline_tab.select(pipeline["refresh"], None, pipeline["refresh_outputs"], api_visibility="private")
         serving_tab.select(serving["refresh"], None, serving["refresh_outputs"], api_visibility="private")

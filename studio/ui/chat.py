@@ -213,7 +213,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                 visible=not speaks,
                 elem_id="omni-preview",
             )
-            recipe_drop = build_recipe_drop()  # "Load recipe from PNG" (studio/ui/recipe.py)
+            recipe_drop = build_recipe_drop()  # "Load recipe" (studio/ui/recipe.py)
             with gr.Accordion("Parameters", open=True):
                 model = gr.Dropdown(
                     studio.builtin_models(),
@@ -504,6 +504,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
     to_source.click(source_from_result, [last_image, message], [message, status], api_name="send_to_source")
     recipe_fields = {"message": message, "seed": seed, "width": width, "height": height, "steps": steps}
     recipe_fields.update(guidance=guidance, negative=negative, modalities=modalities, model=model)
+    recipe_fields.update(voice=voice, reply_as=reply_as, max_tokens=max_tokens)
     connect_recipe_drop(studio, recipe_drop, recipe_fields)
     clear.click(
         lambda: ([], render_progress({}), None), None, [chatbot, progress, preview], api_visibility="private"

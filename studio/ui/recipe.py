@@ -1,5 +1,6 @@
-"""The Chat tab's "Load recipe from PNG": drop a PNG saved by the studio (or by A1111) and the prompt and
-parameters come back into the form; the recipe's model and deploy config are one click away.
+"""The Chat tab's "Load recipe": drop a PNG saved by the studio (or by A1111), or a WAV or FLAC of a spoken
+run, and the prompt and parameters (a voice, what to reply with) come back into the form; the recipe's
+model and deploy config are one click away.
 
 Reading the PNG is ``studio.recipes.recipe.read_recipe`` (the same call as ``omni-studio run --recipe``);
 switching the pipeline is ``studio.recipes.runs.restore_pipeline`` over the controller. See docs/recipes.md.
@@ -40,8 +41,8 @@ class RecipeDrop:
 def build_recipe_drop() -> RecipeDrop:
     """The upload area, its note and the "use the recipe's model and deploy config" button."""
     upload = gr.File(
-        label="Load recipe from PNG (drop a PNG saved here or by A1111)",
-        file_types=[".png"],
+        label="Load recipe (drop a PNG saved here or by A1111, or a WAV or FLAC of a spoken run)",
+        file_types=[".png", ".wav", ".flac"],
         type="filepath",
         height=110,
         elem_id="omni-recipe",
@@ -73,7 +74,18 @@ def form_values(recipe: Recipe) -> tuple[dict[str, Any], list[str]]:
     if isinstance(p.get("negative_prompt"), str):
         values["negative_prompt"] = p["negative_prompt"]
     modalities = p.get("modalities")
-    if isinstance(modalities, list):
+    if isinstance(modalities, list) and "audio" in modalities:  # a spoken run: the speech controls
+        values["reply_as"] = "+".join(m for m in ("text", "audio") if m in modalities)
+        if isinstance(p.get("voice"), str):
+            values["voice"] = p["voice"]
+        if isinstance(p.get("max_tokens"), int):
+            values["max_tokens"] = min(max(p["max_tokens"], 1), 1024)
+        if isinstance(p.get("speak_text"), str):
+            notes.append(
+                "the recipe spoke given text word for word (the Speech tab or /v1/audio/speech); "
+                "here the model answers the prompt in its own words — say it again from the Speech tab"
+            )
+    elif isinstance(modalities, list):
         values["modalities"] = [m for m in modalities if m in MODALITY_CHOICES]
     return values, notes
 
@@ -87,6 +99,9 @@ def describe(recipe: Recipe, studio: Studio, restored: dict[str, Any]) -> tuple[
         "guidance_scale": "guidance",
         "negative_prompt": "negative prompt",
         "modalities": "modalities",
+        "voice": "voice",
+        "reply_as": "reply with",
+        "max_tokens": "max tokens",
     }
     parts = ["prompt", *(label for key, label in labels.items() if key in restored)]
     source = "an Omni Studio recipe" if recipe.origin != A1111 else "an A1111 recipe"
@@ -122,7 +137,8 @@ def describe(recipe: Recipe, studio: Studio, restored: dict[str, Any]) -> tuple[
 
 def connect_recipe_drop(studio: Studio, drop: RecipeDrop, fields: dict[str, Any]) -> None:
     """Wire the drop to the Chat form: ``fields`` maps ``message``, ``seed``, ``width``, ``height``,
-    ``steps``, ``guidance``, ``negative``, ``modalities`` and ``model`` to their components."""
+    ``steps``, ``guidance``, ``negative``, ``modalities``, ``voice``, ``reply_as``, ``max_tokens`` and
+    ``model`` to their components."""
     restored_outputs = [
         fields["message"],
         fields["seed"],
@@ -132,6 +148,9 @@ def connect_recipe_drop(studio: Studio, drop: RecipeDrop, fields: dict[str, Any]
         fields["guidance"],
         fields["negative"],
         fields["modalities"],
+        fields["voice"],
+        fields["reply_as"],
+        fields["max_tokens"],
     ]
     # The drop zone is emptied again after each file, ready for the next one.
     outputs = [*restored_outputs, drop.note, drop.apply, drop.recipe, drop.upload]
@@ -168,6 +187,9 @@ def connect_recipe_drop(studio: Studio, drop: RecipeDrop, fields: dict[str, Any]
             value("guidance_scale"),
             values.get("negative_prompt", ""),
             value("modalities"),
+            value("voice"),
+            value("reply_as"),
+            value("max_tokens"),
             text,
             gr.update(visible=can_switch),
             recipe,

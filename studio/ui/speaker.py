@@ -2,7 +2,8 @@
 
 An HTML block the reply's audio is appended to, chunk by chunk, as base64 pcm16 (Gradio sends an appended
 string as its new tail only); its script (:data:`SPEAKER_JS`, the block's ``js_on_load``) plays each new
-chunk right after the last through the Web Audio API, and stops at the Chat tab's Stop. Gradio's own
+chunk right after the last through the Web Audio API, and stops at its tab's Stop (the Chat's, the Speech
+panel's). Gradio's own
 streaming audio output re-encodes every chunk through ffmpeg, which a machine may not have.
 """
 
@@ -15,7 +16,7 @@ from engine.events import AudioDelta
 from studio.media.audio import pcm16_chunk
 
 SPEAKER_IDLE = "<div class='omni-live'><span class='omni-live-label'>Spoken replies play here</span></div>"
-SPEAKER_JS = """
+SPEAKER_JS_TEMPLATE = """
 const st = {ctx: null, run: null, played: -1, next: 0, sources: [], seconds: 0, state: 'idle'};
 const show = () => {
   const context = st.ctx ? st.ctx.state : 'none';
@@ -67,8 +68,16 @@ const update = () => {
 };
 watch('value', update);
 update();
-document.addEventListener('click', (e) => { if (e.target.closest && e.target.closest('#omni-stop')) stop(); }, true);
+document.addEventListener('click', (e) => { if (e.target.closest && e.target.closest('#STOP_ID')) stop(); }, true);
 """
+
+
+def speaker_js(stop_id: str) -> str:
+    """The speaker's script, silenced by a click on the element with id ``stop_id`` (its tab's Stop)."""
+    return SPEAKER_JS_TEMPLATE.replace("STOP_ID", stop_id)
+
+
+SPEAKER_JS = speaker_js("omni-stop")  # the Chat tab's
 
 
 def speaker_start(run_id: str) -> str:
