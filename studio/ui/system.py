@@ -1,5 +1,7 @@
 """The System tab: devices, memory, library versions, models and the running pipeline, as cards and
-tables (``system_html``), with the same facts as raw JSON behind an accordion (``system_info``)."""
+tables (``system_html``), with the same facts as raw JSON behind an accordion (``system_info``). Each
+running stage is named by its hand-offs (``thinker``, ``talker``, ``code2wav`` for Qwen2.5-Omni, as the
+CLI's bars), with its runner, backend, batch size and, when it renders its source in chunks, chunk_size."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from engine.engine import engine_placement
 from engine.kernels import kernel_report
 from engine.tiny import BUILTIN_MODELS
+from studio.cli.progress import stage_labels
 from studio.controller import Studio
 
 PACKAGES = (
@@ -70,6 +73,7 @@ def system_info(studio: Studio) -> dict[str, Any]:
             )
     config = studio.config
     placement = engine_placement(studio.engine)
+    names = stage_labels(config.stages)[0]
     return {
         "devices": {
             "cpu_cores": os.cpu_count(),
@@ -89,11 +93,17 @@ def system_info(studio: Studio) -> dict[str, Any]:
             "stages": [
                 {
                     "stage_id": s.stage_id,
+                    "name": names.get(s.stage_id, str(s.kind)),
                     "kind": s.kind,
-                    "backend": getattr(studio.engine.runners[s.stage_id], "backend", s.backend),
+                    "runner": type(studio.engine.runners[s.stage_id]).__name__,
+                    # A runner says which library runs it; one that does not (code2wav) runs torch modules.
+                    "backend": getattr(
+                        studio.engine.runners[s.stage_id], "backend", s.backend if s.kind == "ar" else "torch"
+                    ),
                     "device": str(studio.engine.runners[s.stage_id].device),
                     "output": s.engine_output_type,
                     "batch_size": s.engine_args.batch_size,
+                    "chunk_size": s.engine_args.chunk_size,  # docs/speech.md "Streaming" (None: whole)
                     "queue_depth": studio.engine.queue_depths().get(s.stage_id, 0),
                     "decode": studio.engine.decode_paths().get(s.stage_id, "—"),
                     "runs_in": _runs_in(placement.get(s.stage_id), studio.engine.ray_address),
@@ -112,6 +122,7 @@ def system_info(studio: Studio) -> dict[str, Any]:
                 for s in config.stages
             ],
             "requests_in_flight": studio.engine.in_flight,
+            "voices": studio.voices() if studio.speaks else [],
         },
         "models": {name: f"{m.family} — {m.description}" for name, m in BUILTIN_MODELS.items()},
         "storage": {
@@ -216,21 +227,38 @@ def system_html(info: dict[str, Any]) -> str:
             ("supports", running.get("supports") or "any size and step count its family takes"),
             ("folder", running["folder"]),
             ("config hash", running["config_hash"][:16] + "…"),
+            ("voices", ", ".join(running.get("voices") or []) or None),
             ("requests in flight", running["requests_in_flight"]),
             ("data dir", info["storage"]["data_dir"]),
             ("run store", info["storage"]["run_store"]),
         ]
     )
     stages = _table(
-        ["stage", "kind", "backend", "device", "runs in", "batch size", "decode", "queue depth", "output"],
+        [
+            "stage",
+            "name",
+            "kind",
+            "runner",
+            "backend",
+            "device",
+            "runs in",
+            "batch size",
+            "chunk size",
+            "decode",
+            "queue depth",
+            "output",
+        ],
         [
             [
                 s["stage_id"],
+                s["name"],
                 s["kind"],
+                s["runner"],
                 s["backend"],
                 s["device"],
                 s["runs_in"],
                 s["batch_size"],
+                s["chunk_size"] or "—",
                 s["decode"],
                 s["queue_depth"],
                 s["output"],
