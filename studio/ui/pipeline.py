@@ -138,7 +138,7 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             stage_boxes = []
             for index in range(MAX_STAGES):
                 with gr.Group(visible=False) as group:
-                    header = gr.Markdown()
+                    header = gr.Markdown(elem_id=f"omni-stage{index}-header")
                     with gr.Row():
                         output_type = gr.Dropdown(
                             [],
