@@ -42,7 +42,15 @@ class ChunkFeed:
         self._inputs: dict[str, Any] = {}
         self._final = False
         self._closed = False
+        self._listeners: list[threading.Event] = []
         self.publications = 0  # how many times the inputs were replaced (tests and progress)
+
+    def subscribe(self, event: threading.Event) -> None:
+        """Set ``event`` at every publication and at close (a consumer that waits on many feeds at once)."""
+        with self._cond:
+            self._listeners.append(event)
+            if self._inputs or self._final or self._closed:
+                event.set()
 
     def publish(self, inputs: Mapping[str, Any], *, final: bool = False) -> None:
         """Replace the inputs with the hand-off of the source's outputs so far (``final``: all of them)."""
@@ -53,12 +61,16 @@ class ChunkFeed:
             self._final = final
             self.publications += 1
             self._cond.notify_all()
+            for event in self._listeners:
+                event.set()
 
     def close(self) -> None:
         """Wake every waiter (the request was cancelled or failed); it then checks its cancel flag."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            for event in self._listeners:
+                event.set()
 
     @property
     def final(self) -> bool:

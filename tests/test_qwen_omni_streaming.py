@@ -208,18 +208,19 @@ def test_streamed_chunks_match_the_whole_utterance_render_within_the_documented_
     """The streamed samples against one render of the whole utterance from the same codes and noise:
     what the chunk windows' limited context costs (docs/speech.md, "Streaming, measured")."""
     runner = streaming.runners[2]
-    seen: list[dict] = []
-    original = runner.run
+    feeds: list[ChunkFeed] = []
+    original = runner.submit
 
-    def spy(jobs: list[StageJob]) -> None:
-        original(jobs)
-        seen.extend(job.inputs[CHUNK_FEED_KEY].snapshot()[0] for job in jobs)
+    def spy(job: StageJob, done) -> None:
+        feeds.append(job.inputs[CHUNK_FEED_KEY])
+        original(job, done)
 
-    runner.run = spy  # type: ignore[method-assign]
+    runner.submit = spy  # type: ignore[method-assign]
     try:
         streamed = events_of(streaming, speak(seed=seed))[-1].outputs[0].audio
     finally:
-        del runner.run
+        del runner.submit
+    seen = [feed.snapshot()[0] for feed in feeds]
     codes = torch.as_tensor(seen[-1]["codes"]).reshape(1, -1)
     assert codes.shape[1] > CHUNK  # more than one chunk
     before = torch.get_num_threads()
@@ -274,3 +275,104 @@ def test_a_stage_that_cannot_render_chunks_is_refused_at_start(glm_engine):
     assert [(p.stage, p.key) for p in problems] == [(1, "chunk_size")]
     assert "cannot consume its input in chunks" in problems[0].message
     assert chunking_problems(glm_engine.config, glm_engine.runners) == []
+
+
+# -- many listeners: the chunk scheduler (docs/speech.md, "Many listeners") ----------------------------
+
+
+def talker_codes(streaming: OmniEngine, seed: int) -> torch.Tensor:
+    """The codes the talker makes for ``speak(seed=seed)`` (as code2wav's feed last held them)."""
+    runner, feeds = streaming.runners[2], []
+    original = runner.submit
+
+    def spy(job: StageJob, done) -> None:
+        feeds.append(job.inputs[CHUNK_FEED_KEY])
+        original(job, done)
+
+    runner.submit = spy  # type: ignore[method-assign]
+    try:
+        events_of(streaming, speak(seed=seed))
+    finally:
+        del runner.submit
+    return torch.as_tensor(feeds[-1].snapshot()[0]["codes"]).reshape(1, -1)
+
+
+def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming):
+    """Two streams handed to code2wav one right after the other, every code known: the first one's first
+    chunk, then the newcomer's first chunk (its listener has nothing yet; the first one's has a chunk to
+    play), then turns by whose listener runs out first; each stream's samples are its alone render's."""
+    runner = streaming.runners[2]
+    codes = {seed: talker_codes(streaming, seed) for seed in (2, 5)}
+    assert all(c.shape[1] > 2 * CHUNK for c in codes.values())  # three chunks or more each
+    order: list[str] = []
+    lock = threading.Lock()
+    finished = {seed: threading.Event() for seed in codes}
+    jobs = {}
+    for seed, stream_codes in codes.items():
+        feed = ChunkFeed()
+        feed.publish({"codes": stream_codes}, final=True)
+        job = _code2wav_job(streaming, stream_codes, seed, feed)
+        job.params["num_inference_steps"] = 40  # each chunk takes long enough for the hand-over below
+
+        def emit(event, name: str = f"s{seed}") -> None:
+            if isinstance(event, AudioDelta):
+                with lock:
+                    order.append(name)
+
+        job.emit = emit
+        jobs[seed] = job
+    for seed, job in jobs.items():
+        runner.submit(job, lambda status, error, seed=seed: finished[seed].set())
+    assert all(event.wait(DEADLINE_S) for event in finished.values())
+    assert order[:3] == ["s2", "s5", "s2"]
+    assert [order.count(f"s{seed}") for seed in codes] == [-(-c.shape[1] // CHUNK) for c in codes.values()]
+    for seed, job in jobs.items():
+        alone_feed = ChunkFeed()
+        alone_feed.publish({"codes": codes[seed]}, final=True)
+        alone = _code2wav_job(streaming, codes[seed], seed, alone_feed)
+        alone.params["num_inference_steps"] = 40
+        before = torch.get_num_threads()
+        torch.set_num_threads(runner.intra_op_threads or before)  # the stage's: the same kernels
+        try:
+            with torch.inference_mode():
+                runner.stream(alone, alone_feed)
+        finally:
+            torch.set_num_threads(before)
+        assert np.array_equal(
+            job.deliver_outputs()["audio"].numpy(), alone.deliver_outputs()["audio"].numpy()
+        )
+
+
+def test_cancelling_one_of_eight_streams_leaves_the_others_whole(streaming):
+    requests = [speak(seed=30 + i) for i in range(8)]
+    alone = [chunks_of(events_of(streaming, r)) for r in requests]
+    results: dict[int, list] = {}
+
+    def run(i: int) -> None:
+        events: list = []
+        over = threading.Event()
+
+        def sink(event) -> None:
+            events.append(event)
+            if i == 2 and isinstance(event, AudioDelta):
+                streaming.cancel(event.request_id)  # after its first chunk
+            if isinstance(event, RunFinished | RunFailed):
+                over.set()
+
+        streaming.submit(streaming.resolve(requests[i]), sink)
+        assert over.wait(DEADLINE_S)
+        results[i] = events
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=DEADLINE_S)
+    assert isinstance(results[2][-1], RunFailed) and results[2][-1].cancelled
+    for i in (0, 1, 3, 4, 5, 6, 7):
+        assert isinstance(results[i][-1], RunFinished), i
+        chunks = chunks_of(results[i])
+        # In order, back to back: the joined chunks are the run's audio and the alone run's chunks.
+        assert [c.tobytes() for c in chunks] == [c.tobytes() for c in alone[i]], i
+        assert np.array_equal(np.concatenate(chunks), results[i][-1].outputs[0].audio)
+    assert streaming.in_flight == 0

@@ -17,21 +17,19 @@ the talker's stream is not known before the talker has finished (docs/speech.md,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine.events import AudioDelta, DiffusionStep
 from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, omni_config, part_state_dict
+from engine.pipelines.qwen_omni.code2wav_streams import ChunkScheduler, StreamRender, speed_of
 from engine.request import RequestError
-from engine.stages.base import StageCancelled, StageJob, StageRunner, intra_op_threads_for
+from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, intra_op_threads_for
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
-from engine.tempo import Tempo, stretch
+from engine.tempo import stretch
 
 SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
-VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a chunk (docs/speech.md)
 
 
 class Code2WavStage(StageRunner):
@@ -39,6 +37,7 @@ class Code2WavStage(StageRunner):
     for the whole utterance, or one per chunk when the stage consumes the talker's codes in chunks."""
 
     kind = "diffusion"
+    sample_rate = SAMPLE_RATE
     consumes_chunks = True  # chunk_size may be set on this stage (engine/streaming.py)
     model: Any = None
 
@@ -53,6 +52,9 @@ class Code2WavStage(StageRunner):
         self.loaded = True
 
     def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
         self.model = None
         super().close()
 
@@ -82,53 +84,28 @@ class Code2WavStage(StageRunner):
             self.send(job, samples)
 
     def stream(self, job: StageJob, feed: ChunkFeed) -> None:
-        """Render the codes in chunks of ``chunk_size`` as the talker publishes them: one AudioDelta
-        (and one DiffusionStep) per chunk, in order; the chunks depend on the codes only."""
-        plan = ChunkPlan.of(self.model, int(self.stage.engine_args.chunk_size or 1))
-        speaker, reference = self.conditioning(job)
-        noise = SeededNoise(int(job.params["seed"]), self.model.code2wav_dit_model.mel_dim)
-        speed = speed_of(job)
-        tempo = Tempo(speed) if speed != 1.0 else None
-        start, rendered = 0, 0
+        """Render the codes in chunks of ``chunk_size`` as the talker publishes them, on this thread: one
+        AudioDelta (and one DiffusionStep) per chunk, in order; the chunks depend on the codes only."""
+        render = StreamRender(self, job, feed)
         while True:
-            needed = plan.window(start, None)[1]
+            feed.wait(render.ready, job)
+            if render.step():
+                return
 
-            def ready(inputs: Mapping[str, Any], final: bool, needed: int = needed) -> bool:
-                return final or _codes_in(inputs) >= needed
+    # -- many streams at once (docs/speech.md, "Many listeners") ---------------------------------------
+    # With chunk_size set the runner is concurrent: the stage worker hands it each stream as it arrives
+    # (up to max_num_seqs in flight) and one scheduler thread renders their chunks, the most urgent first.
 
-            inputs, final = feed.wait(ready, job)
-            codes = torch.as_tensor(inputs.get("codes", torch.zeros(0, dtype=torch.long))).reshape(1, -1)
-            total = int(codes.shape[1])
-            if start >= total:  # final: every code is rendered
-                break
-            low, high = plan.window(start, total if final else None)
-            end = min(start + plan.chunk, total)
-            mel = self.integrate(
-                job,
-                codes[:, low:high].to(self.device),
-                speaker,
-                reference,
-                noise.frames(low * plan.repeats, high * plan.repeats).to(self.device),
-                report=False,
-            )
-            wave = self.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
-            per_code = plan.repeats * plan.hop
-            samples = wave[(start - low) * per_code : (end - low) * per_code].clone()
-            if tempo is not None:
-                samples = torch.from_numpy(tempo.push(samples.numpy()))
-            self.send(job, samples)
-            rendered += 1
-            last = final and end >= total
-            job.emit(
-                DiffusionStep(
-                    job.request_id, job.index, self.stage_id, step=rendered, total=rendered if last else 0
-                )
-            )
-            start = end
-        if tempo is not None:  # the stretcher's last samples (for an empty utterance: none)
-            self.send(job, torch.from_numpy(tempo.finish()))
-        elif not rendered:  # nothing to speak: an empty utterance, as a whole render gives
-            self.send(job, torch.zeros(0, dtype=torch.float32))
+    _scheduler: ChunkScheduler | None = None
+
+    @property
+    def concurrent(self) -> bool:  # type: ignore[override]  # a class attribute on the base; here the config's
+        return bool(self.stage.engine_args.chunk_size)
+
+    def submit(self, job: StageJob, done: JobDone) -> None:
+        if self._scheduler is None:
+            self._scheduler = ChunkScheduler(self)
+        self._scheduler.submit(job, done)
 
     def send(self, job: StageJob, samples: torch.Tensor) -> None:
         """Add ``samples`` to the request's audio and hand them on (an AudioDelta)."""
@@ -222,70 +199,3 @@ class Code2WavStage(StageRunner):
         if report:
             job.emit(DiffusionStep(job.request_id, job.index, self.stage_id, step=steps, total=steps))
         return trajectory[-1].permute(0, 2, 1)
-
-
-def speed_of(job: StageJob) -> float:
-    """The request's tempo (1.0: as spoken; engine/tempo.py)."""
-    return float(job.params.get("speed") or 1.0)
-
-
-def _codes_in(inputs: Mapping[str, Any]) -> int:
-    codes = inputs.get("codes")
-    return 0 if codes is None else int(torch.as_tensor(codes).numel())
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """Where a streamed render's chunks and their windows lie, in codes (docs/speech.md, "Streaming").
-
-    The DiT attends within blocks of ``block`` codes (its ``block_size`` mel frames), one block back or
-    ahead in the layers that list it; a chunk is rendered from a window reaching ``back`` codes before it
-    and ``ahead`` codes past it (at least one block each way, and at least the vocoder's reach), its
-    edges on block boundaries so the window's blocks are the whole render's.
-    """
-
-    chunk: int  # codes per chunk (the deploy config's chunk_size)
-    block: int  # codes per DiT attention block
-    back: int  # codes of context before a chunk
-    ahead: int  # codes of context after a chunk (what must exist before the chunk is rendered)
-    repeats: int  # mel frames per code
-    hop: int  # samples per mel frame
-
-    @classmethod
-    def of(cls, model: Any, chunk: int) -> ChunkPlan:
-        dit, vocoder = model.code2wav_dit_model, model.code2wav_bigvgan_model
-        repeats = int(dit.repeats)
-        block = max(1, int(dit.block_size) // repeats)
-        blocks_back = max(1, len(dit.config.look_backward_layers))
-        blocks_ahead = max(1, len(dit.config.look_ahead_layers))
-        # BigVGAN's convolutions reach about 16 mel frames either side (measured: docs/speech.md).
-        reach = -(-VOCODER_REACH_FRAMES // repeats)
-        back = max(blocks_back * block, reach)
-        ahead = max(blocks_ahead * block, reach)
-        return cls(chunk, block, back, ahead, repeats, int(math.prod(vocoder.config.upsample_rates)))
-
-    def window(self, start: int, total: int | None) -> tuple[int, int]:
-        """The codes [low, high) rendered for the chunk starting at ``start``; ``total`` when all the
-        codes are known (the window stops there), None while the talker is still speaking."""
-        low = max(0, start - self.back) // self.block * self.block
-        end = start + self.chunk
-        high = -(-(end + self.ahead) // self.block) * self.block
-        return low, high if total is None else min(high, total)
-
-
-class SeededNoise:
-    """The ODE's starting noise for a streamed render, drawn from the request's seed frame by frame as
-    windows reach further: the same rows a single draw of the whole utterance's frames gives (torch's
-    CPU normal draws are prefix-stable for rows of ``mel_dim`` values; tested)."""
-
-    def __init__(self, seed: int, mel_dim: int) -> None:
-        self.generator = torch.Generator()
-        self.generator.manual_seed(seed)
-        self.mel_dim = mel_dim
-        self.drawn = torch.zeros((1, 0, mel_dim))
-
-    def frames(self, low: int, high: int) -> torch.Tensor:
-        if high > self.drawn.shape[1]:
-            more = torch.randn((1, high - self.drawn.shape[1], self.mel_dim), generator=self.generator)
-            self.drawn = torch.cat([self.drawn, more], dim=1)
-        return self.drawn[:, low:high]

@@ -1,0 +1,277 @@
+"""code2wav's streams (docs/speech.md, "Streaming" and "Many listeners"): where a streamed render's chunks
+lie (:class:`ChunkPlan`), its noise (:class:`SeededNoise`), one stream rendered chunk by chunk
+(:class:`StreamRender`) and the scheduler that serves many streams at once (:class:`ChunkScheduler`).
+
+Every chunk is rendered alone (batch 1), from its codes, its noise rows and its voice only, so a stream's
+samples are the same whoever else is listening; the scheduler only decides the order: the chunk whose
+listener runs out of audio first goes next (a new stream's first chunk before anything already playing),
+so many listeners share the stage without one waiting for another's whole utterance.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.events import DiffusionStep, StageStatus
+from engine.stages.base import JobDone, StageCancelled, StageJob
+from engine.streaming import CANCEL_POLL_S, CHUNK_FEED_KEY, ChunkFeed
+from engine.tempo import Tempo
+
+if TYPE_CHECKING:
+    from engine.pipelines.qwen_omni.code2wav import Code2WavStage
+
+VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a chunk (docs/speech.md)
+
+
+def speed_of(job: StageJob) -> float:
+    """The request's tempo (1.0: as spoken; engine/tempo.py)."""
+    return float(job.params.get("speed") or 1.0)
+
+
+def codes_in(inputs: Mapping[str, Any]) -> int:
+    codes = inputs.get("codes")
+    return 0 if codes is None else int(torch.as_tensor(codes).numel())
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Where a streamed render's chunks and their windows lie, in codes (docs/speech.md, "Streaming").
+
+    The DiT attends within blocks of ``block`` codes (its ``block_size`` mel frames), one block back or
+    ahead in the layers that list it; a chunk is rendered from a window reaching ``back`` codes before it
+    and ``ahead`` codes past it (at least one block each way, and at least the vocoder's reach), its
+    edges on block boundaries so the window's blocks are the whole render's.
+    """
+
+    chunk: int  # codes per chunk (the deploy config's chunk_size)
+    block: int  # codes per DiT attention block
+    back: int  # codes of context before a chunk
+    ahead: int  # codes of context after a chunk (what must exist before the chunk is rendered)
+    repeats: int  # mel frames per code
+    hop: int  # samples per mel frame
+
+    @classmethod
+    def of(cls, model: Any, chunk: int) -> ChunkPlan:
+        dit, vocoder = model.code2wav_dit_model, model.code2wav_bigvgan_model
+        repeats = int(dit.repeats)
+        block = max(1, int(dit.block_size) // repeats)
+        blocks_back = max(1, len(dit.config.look_backward_layers))
+        blocks_ahead = max(1, len(dit.config.look_ahead_layers))
+        # BigVGAN's convolutions reach about 16 mel frames either side (measured: docs/speech.md).
+        reach = -(-VOCODER_REACH_FRAMES // repeats)
+        back = max(blocks_back * block, reach)
+        ahead = max(blocks_ahead * block, reach)
+        return cls(chunk, block, back, ahead, repeats, int(math.prod(vocoder.config.upsample_rates)))
+
+    def window(self, start: int, total: int | None) -> tuple[int, int]:
+        """The codes [low, high) rendered for the chunk starting at ``start``; ``total`` when all the
+        codes are known (the window stops there), None while the talker is still speaking."""
+        low = max(0, start - self.back) // self.block * self.block
+        end = start + self.chunk
+        high = -(-(end + self.ahead) // self.block) * self.block
+        return low, high if total is None else min(high, total)
+
+
+class SeededNoise:
+    """The ODE's starting noise for a streamed render, drawn from the request's seed frame by frame as
+    windows reach further: the same rows a single draw of the whole utterance's frames gives (torch's
+    CPU normal draws are prefix-stable for rows of ``mel_dim`` values; tested)."""
+
+    def __init__(self, seed: int, mel_dim: int) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+        self.mel_dim = mel_dim
+        self.drawn = torch.zeros((1, 0, mel_dim))
+
+    def frames(self, low: int, high: int) -> torch.Tensor:
+        if high > self.drawn.shape[1]:
+            more = torch.randn((1, high - self.drawn.shape[1], self.mel_dim), generator=self.generator)
+            self.drawn = torch.cat([self.drawn, more], dim=1)
+        return self.drawn[:, low:high]
+
+
+class StreamRender:
+    """One request's streamed render: :meth:`ready` says whether its next chunk's codes are in, :meth:`step`
+    renders that chunk (one AudioDelta and one DiffusionStep) and says whether the stream is finished."""
+
+    def __init__(self, stage: Code2WavStage, job: StageJob, feed: ChunkFeed) -> None:
+        self.stage, self.job, self.feed = stage, job, feed
+        self.plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
+        self.speaker, self.reference = stage.conditioning(job)  # RequestError for a voice it lacks
+        self.noise = SeededNoise(int(job.params["seed"]), stage.model.code2wav_dit_model.mel_dim)
+        speed = speed_of(job)
+        self.tempo = Tempo(speed) if speed != 1.0 else None
+        self.start = 0  # the first code not rendered yet
+        self.rendered = 0  # chunks rendered
+        self.arrived = time.monotonic()
+        self.first_sound: float | None = None  # when its first samples went out
+        self.seconds_out = 0.0  # audio seconds sent so far
+
+    def ready(self, inputs: Mapping[str, Any], final: bool) -> bool:
+        """Whether the next chunk can be rendered from ``inputs`` (the talker's codes so far)."""
+        return final or codes_in(inputs) >= self.plan.window(self.start, None)[1]
+
+    def deadline(self) -> float:
+        """When its listener runs out of audio (monotonic seconds): a stream that has sent nothing yet
+        is due since it arrived."""
+        if self.first_sound is None:
+            return self.arrived
+        return self.first_sound + self.seconds_out
+
+    def step(self) -> bool:
+        """Render the next chunk (call when :meth:`ready`); True when the stream is finished."""
+        stage, job, plan = self.stage, self.job, self.plan
+        inputs, final = self.feed.snapshot()
+        codes = torch.as_tensor(inputs.get("codes", torch.zeros(0, dtype=torch.long))).reshape(1, -1)
+        total = int(codes.shape[1])
+        if self.start >= total:  # final: every code is rendered
+            self.finish()
+            return True
+        low, high = plan.window(self.start, total if final else None)
+        end = min(self.start + plan.chunk, total)
+        mel = stage.integrate(
+            job,
+            codes[:, low:high].to(stage.device),
+            self.speaker,
+            self.reference,
+            self.noise.frames(low * plan.repeats, high * plan.repeats).to(stage.device),
+            report=False,
+        )
+        wave = stage.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
+        per_code = plan.repeats * plan.hop
+        samples = wave[(self.start - low) * per_code : (end - low) * per_code].clone()
+        if self.tempo is not None:
+            samples = torch.from_numpy(self.tempo.push(samples.numpy()))
+        self.send(samples)
+        self.rendered += 1
+        last = final and end >= total
+        job.emit(
+            DiffusionStep(
+                job.request_id,
+                job.index,
+                stage.stage_id,
+                step=self.rendered,
+                total=self.rendered if last else 0,
+            )
+        )
+        self.start = end
+        if last:
+            self.finish()
+        return last
+
+    def finish(self) -> None:
+        if self.tempo is not None:  # the stretcher's last samples (for an empty utterance: none)
+            self.send(torch.from_numpy(self.tempo.finish()))
+        elif not self.rendered:  # nothing to speak: an empty utterance, as a whole render gives
+            self.send(torch.zeros(0, dtype=torch.float32))
+
+    def send(self, samples: torch.Tensor) -> None:
+        if samples.numel():
+            if self.first_sound is None:
+                self.first_sound = time.monotonic()
+            self.seconds_out += samples.numel() / self.stage.sample_rate
+        self.stage.send(self.job, samples)
+
+
+class ChunkScheduler:
+    """One thread that renders the chunks of every stream in flight, one chunk at a time, the most urgent
+    ready chunk first (earliest :meth:`StreamRender.deadline`; arrival order breaks ties). A stream joins
+    as soon as the stage worker hands it over and leaves when finished, failed or cancelled; a failure is
+    its own (the others go on)."""
+
+    def __init__(self, stage: Code2WavStage) -> None:
+        self.stage = stage
+        self._inbox: queue.SimpleQueue[tuple[StageJob, JobDone] | None] = queue.SimpleQueue()
+        self._wake = threading.Event()  # set by a feed's publication or close, and by a new arrival
+        self._thread = threading.Thread(
+            target=self._loop, name=f"omni-code2wav-{stage.stage_id}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, job: StageJob, done: JobDone) -> None:
+        self._inbox.put((job, done))
+        self._wake.set()
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        threads = self.stage.intra_op_threads
+        if threads is not None:
+            torch.set_num_threads(threads)  # this thread's setting only
+        streams: dict[int, tuple[StreamRender, JobDone]] = {}
+        order = 0  # arrival order, the tie-break
+        arrival: dict[int, int] = {}
+        with torch.inference_mode():
+            while True:
+                while True:
+                    try:
+                        item = self._inbox.get_nowait() if streams else self._inbox.get()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        for _, done in streams.values():
+                            done(StageStatus.CANCELLED, None)
+                        return
+                    job, done = item
+                    admitted = self._admit(job, done)
+                    if admitted is not None:
+                        key = id(job)
+                        streams[key], arrival[key] = (admitted, done), order
+                        order += 1
+                for key, (render, done) in list(streams.items()):
+                    if render.job.cancelled:
+                        del streams[key]
+                        done(StageStatus.CANCELLED, None)
+                self._wake.clear()  # a publication from here on wakes the wait below
+                due = [
+                    (render.deadline(), arrival[key], key)
+                    for key, (render, _) in streams.items()
+                    if render.ready(*render.feed.snapshot())
+                ]
+                if not due:
+                    self._wake.wait(CANCEL_POLL_S)
+                    continue
+                _, _, key = heapq.nsmallest(1, due)[0]
+                render, done = streams[key]
+                try:
+                    finished = render.step()
+                except StageCancelled:
+                    del streams[key]
+                    done(StageStatus.CANCELLED, None)
+                    continue
+                except Exception as exc:  # this stream fails; the others go on
+                    del streams[key]
+                    done(StageStatus.FAILED, exc)
+                    continue
+                if finished:
+                    del streams[key]
+                    done(StageStatus.SUCCEEDED, None)
+
+    def _admit(self, job: StageJob, done: JobDone) -> StreamRender | None:
+        try:
+            if job.cancelled:
+                raise StageCancelled()
+            feed = job.inputs.get(CHUNK_FEED_KEY)
+            if feed is None:  # handed whole (its source published nothing): rendered at once
+                self.stage.run([job])
+                done(StageStatus.CANCELLED if job.cancelled else StageStatus.SUCCEEDED, None)
+                return None
+            feed.subscribe(self._wake)
+            return StreamRender(self.stage, job, feed)
+        except StageCancelled:
+            done(StageStatus.CANCELLED, None)
+        except Exception as exc:
+            done(StageStatus.FAILED, exc)
+        return None
