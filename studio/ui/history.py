@@ -1,13 +1,14 @@
-"""The History tab: every run from the UI, the API and the CLI — search and filters, a gallery, run
-detail with per-stage timings (a spoken run's audio: a player and a waveform per output, its length,
-TTFP and real-time factor), Re-run with the exact parameters, Compare two runs, export/import, delete,
-and Replay with a regression report (studio/ui/replay.py)."""
+"""The History tab: every run from the UI, the API and the CLI — search and filters (the prompt, status,
+model, the kind of output: "audio" keeps the runs that spoke), the runs list with a spoken run's audio
+seconds, TTFP and real-time factor and a player per spoken run (studio/ui/history_audio.py), a gallery,
+run detail with per-stage timings (a spoken run's audio: a player and a waveform per output), Re-run with
+the exact parameters, Compare two runs (studio/ui/compare.py), export/import (bundles carry the images
+and the audio), delete, and Replay with a regression report (studio/ui/replay.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import html
-import json
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -20,13 +21,34 @@ import yaml
 
 from engine.events import RunFailed, RunFinished
 from studio.controller import Studio
-from studio.media.audio import decode_input_audio, waveform_png
 from studio.media.images import png_bytes
+from studio.ui.compare import build_compare_section
+from studio.ui.history_audio import (
+    OUTPUT_KINDS,
+    audio_cells,
+    audio_items,
+    list_players,
+    render_detail_audio,
+    render_list_players,
+)
 from studio.ui.replay import build_replay_section
 
 PAGE_SIZE = 50
-WAVEFORM_SIZE = (640, 120)  # pixels of a run's waveform picture
-COLUMNS = ["id", "created", "source", "status", "model", "prompt", "seconds", "seed", "fingerprint", "config"]
+COLUMNS = [
+    "id",
+    "created",
+    "source",
+    "status",
+    "model",
+    "prompt",
+    "seconds",
+    "audio s",  # a spoken run's figures (docs/speech.md "Runs, files and the CLI"); empty otherwise
+    "TTFP s",
+    "RTF",
+    "seed",
+    "fingerprint",
+    "config",
+]
 STATUSES = ["any", "queued", "running", "succeeded", "failed", "cancelled", "interrupted"]
 
 
@@ -43,10 +65,13 @@ def _date(value: str, end: bool = False) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
-def run_filter(search, status, model, fingerprint, config_hash, since, until):
+def run_filter(search, status, model, fingerprint, config_hash, since, until, output="any"):
     from studio.store import RunFilter
 
+    if output not in (None, "", *OUTPUT_KINDS):
+        raise gr.Error(f"Output: one of {', '.join(OUTPUT_KINDS)}, got {output!r}")
     return RunFilter(
+        output_kind=None if output in (None, "", "any") else output,
         search=search or None,
         status=None if status in (None, "", "any") else status,
         model=None if model in (None, "", "any") else model,
@@ -68,6 +93,7 @@ def rows_of(runs: list[Any]) -> pd.DataFrame:
                 r.model,
                 (r.prompt[:60] + "…") if len(r.prompt) > 60 else r.prompt,
                 None if r.seconds is None else round(r.seconds, 2),
+                *audio_cells(r),
                 r.seed,
                 r.fingerprint or "",
                 (r.config_hash or "")[:8],
@@ -131,35 +157,6 @@ def detail_markdown(detail: Any) -> str:
     return "\n\n".join(lines)
 
 
-def waveform_file(output: Any) -> str:
-    """A PNG of an audio output's waveform (studio/media/audio.py ``waveform_png``), drawn once per file."""
-    target = Path(tempfile.gettempdir()) / "omni-studio-waveforms" / f"{output.sha256}.png"
-    if not target.exists():
-        data = output.path.read_bytes()
-        rate = output.sample_rate or 24000
-        seconds = (output.duration_seconds or len(data) / 2 / rate) + 1  # bounds the read only
-        samples = decode_input_audio(
-            data, "wav", max_bytes=len(data), max_seconds=seconds, target_rate=rate, field="output"
-        )
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(waveform_png(samples, rate, *WAVEFORM_SIZE))
-    return str(target)
-
-
-def audio_items(detail: Any) -> list[dict[str, Any]]:
-    """What the detail shows of each audio output: its file, a label with its length, its waveform."""
-    items = []
-    for o in detail.audio:
-        seconds = f"{o.duration_seconds:.2f} s" if o.duration_seconds is not None else "? s"
-        rate = f" · {o.sample_rate / 1000:g} kHz" if o.sample_rate else ""
-        with contextlib.suppress(FileNotFoundError):  # a file removed by retention meanwhile
-            waveform = waveform_file(o)
-            items.append(
-                {"path": str(o.path), "label": f"audio {o.index} · {seconds}{rate}", "waveform": waveform}
-            )
-    return items
-
-
 def build_history_tab(studio: Studio) -> dict[str, Any]:
     store = studio.store
     if store is None:
@@ -169,6 +166,14 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         search = gr.Textbox(label="Prompt contains", scale=3, elem_id="omni-h-search")
         status = gr.Dropdown(STATUSES, value="any", label="Status", scale=1)
         model = gr.Dropdown(["any"], value="any", label="Model", allow_custom_value=True, scale=1)
+        output = gr.Dropdown(
+            OUTPUT_KINDS,
+            value="any",
+            label="Output",
+            info="audio: the runs that spoke",
+            scale=1,
+            elem_id="omni-h-output",
+        )
     with gr.Row():
         fingerprint = gr.Textbox(label="Fingerprint", scale=2)
         config_hash = gr.Textbox(label="Config hash (prefix)", scale=1)
@@ -178,6 +183,12 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     count = gr.Markdown("", elem_id="omni-h-count")
     table = gr.Dataframe(rows_of([]), interactive=False, wrap=True, max_height=320, elem_id="omni-h-table")
     more = gr.Button("Load more", visible=False, size="sm", elem_id="omni-h-more")
+    players_state = gr.State([])
+
+    @gr.render(inputs=[players_state])
+    def list_audio(items: list[dict[str, Any]]) -> None:
+        render_list_players(items)
+
     gallery = gr.Gallery(
         label="Images of these runs",
         columns=10,
@@ -196,18 +207,7 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
 
             @gr.render(inputs=[audio_state])
             def audio_players(items: list[dict[str, Any]]) -> None:
-                for item in items:
-                    with gr.Row(elem_classes="omni-h-audio", equal_height=True):
-                        gr.Audio(item["path"], label=item["label"], interactive=False, scale=2)
-                        gr.Image(
-                            item["waveform"],
-                            label=f"Waveform · {item['label']}",
-                            type="filepath",
-                            interactive=False,
-                            height=WAVEFORM_SIZE[1] + 40,
-                            scale=3,
-                            elem_classes="omni-h-waveform",
-                        )
+                render_detail_audio(items)
 
             with gr.Accordion("Request, parameters and config snapshot", open=False):
                 request_json = gr.JSON(label="Request as received")
@@ -221,26 +221,19 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             rerun_result = gr.Markdown("", elem_id="omni-h-rerun-result")
             rerun_image = gr.Image(label="Re-run output", type="filepath", interactive=False, height=200)
         with gr.Column(scale=2):
-            gr.Markdown("### Compare two runs")
-            run_a = gr.Textbox(label="Run A", elem_id="omni-h-run-a")
-            run_b = gr.Textbox(label="Run B", elem_id="omni-h-run-b")
-            compare = gr.Button("Compare", elem_id="omni-h-compare")
-            diff_table = gr.Dataframe(
-                pd.DataFrame(columns=["part", "key", "A", "B"]),
-                interactive=False,
-                wrap=True,
-                elem_id="omni-h-diff",
-            )
-            with gr.Row():
-                image_a = gr.Image(label="A", type="filepath", interactive=False, height=160)
-                image_b = gr.Image(label="B", type="filepath", interactive=False, height=160)
+            run_a, run_b = build_compare_section(store)
             gr.Markdown("### Export / import")
-            export = gr.Button("Export these runs")
-            export_file = gr.File(label="Bundle", interactive=False)
-            import_file = gr.File(label="Import a bundle", file_types=[".zip"], type="filepath")
-            import_status = gr.Markdown("")
+            export = gr.Button("Export these runs", elem_id="omni-h-export")
+            export_file = gr.File(
+                label="Bundle (runs, images and audio)", interactive=False, elem_id="omni-h-bundle"
+            )
+            import_file = gr.File(
+                label="Import a bundle", file_types=[".zip"], type="filepath", elem_id="omni-h-import"
+            )
+            import_status = gr.Markdown("", elem_id="omni-h-import-status")
 
-    filters = [search, status, model, fingerprint, config_hash, since, until]
+    # The Output filter comes last: the API's history endpoints keep their first seven inputs.
+    filters = [search, status, model, fingerprint, config_hash, since, until, output]
     build_replay_section(studio, run_id, filters, run_filter)  # full width, below run detail and compare
     ids_state = gr.State([])
     # What "Load more" continues: the filter as searched, the runs and thumbnails shown, the keyset cursor.
@@ -264,8 +257,8 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             f"count); showing {shown:,}."
         )
 
-    def do_search(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v):
-        flt = run_filter(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v)
+    def do_search(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v, output_v="any"):
+        flt = run_filter(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v, output_v)
         page = store.list_page(flt, limit=PAGE_SIZE)
         total = store.count_matching(flt)
         runs, images = page.runs, thumbnails(page.runs)
@@ -278,11 +271,12 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             gr.update(choices=models),
             {"filter": flt, "runs": runs, "images": images, "cursor": page.next_cursor, "total": total},
             gr.update(visible=page.next_cursor is not None),
+            list_players(store, runs),
         )
 
     def load_more(state: dict[str, Any] | None):
         if not state or not state.get("cursor"):
-            return [gr.skip()] * 6
+            return [gr.skip()] * 7
         page = store.list_page(state["filter"], limit=PAGE_SIZE, cursor=state["cursor"])
         runs = [*state["runs"], *page.runs]
         images = [*state["images"], *thumbnails(page.runs)]
@@ -294,14 +288,19 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             [r.id for r in runs],
             state,
             gr.update(visible=page.next_cursor is not None),
+            list_players(store, runs),
         )
 
-    search_outputs = [table, gallery, count, ids_state, model, page_state, more]
+    search_outputs = [table, gallery, count, ids_state, model, page_state, more, players_state]
     more.click(
-        load_more, [page_state], [table, gallery, count, ids_state, page_state, more], api_name="history_more"
+        load_more,
+        [page_state],
+        [table, gallery, count, ids_state, page_state, more, players_state],
+        api_name="history_more",
     )
     find.click(do_search, filters, search_outputs, api_name="history_search")
     search.submit(do_search, filters, search_outputs, api_visibility="private")
+    output.change(do_search, filters, search_outputs, api_visibility="private")
 
     def show(run_id_v: str):
         run_id_v = (run_id_v or "").strip()
@@ -383,27 +382,6 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     set_a.click(lambda r: r, [run_id], [run_a], api_visibility="private")
     set_b.click(lambda r: r, [run_id], [run_b], api_visibility="private")
 
-    def do_compare(a: str, b: str):
-        try:
-            full_a, full_b = store.resolve_run_id(a.strip()), store.resolve_run_id(b.strip())
-        except LookupError as exc:
-            raise gr.Error(str(exc)) from None
-        diff = store.diff_runs(full_a, full_b)
-        rows = [
-            [part, key, json.dumps(va, default=str), json.dumps(vb, default=str)]
-            for part, entries in diff.items()
-            for key, (va, vb) in entries.items()
-        ]
-        frame = pd.DataFrame(rows or [["—", "no differences", "", ""]], columns=["part", "key", "A", "B"])
-
-        def first_image(run: str) -> str | None:
-            images = store.get_run(run).images
-            return str(images[0].path) if images else None
-
-        return frame, first_image(full_a), first_image(full_b)
-
-    compare.click(do_compare, [run_a, run_b], [diff_table, image_a, image_b], api_name="compare")
-
     def do_delete(run_id_v: str, *filter_values):
         full = store.resolve_run_id((run_id_v or "").strip())
         store.delete_run(full)
@@ -438,6 +416,6 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     )
 
     def refresh():
-        return do_search("", "any", "any", "", "", "", "")
+        return do_search("", "any", "any", "", "", "", "", "any")
 
     return {"refresh": refresh, "refresh_outputs": search_outputs}

@@ -1,5 +1,7 @@
 """The History tab's replay action: replay the selected run, or the runs the filters match, on the running
-engine, then show the regression report and a before/after slider for each changed image.
+engine, then show the regression report, a before/after slider for each changed image and, for each
+spoken output, the original's and the replay's players with their waveforms and figures (each length, the
+largest sample difference, SNR in dB: studio/media/audio_compare.py, as History's Compare shows them).
 
 The replaying and the report are :mod:`studio.replay.replayer` and :mod:`studio.replay.report`, the same code
 ``omni-studio replay`` runs; this module only wires them to components (docs/replay.md).
@@ -17,6 +19,7 @@ import gradio as gr
 from studio.controller import Studio
 from studio.replay.replayer import Replayer, ReplaySelectionError, ReplayTarget, select_runs
 from studio.replay.report import PARAMETER_MODES, ReplayReport, write_report
+from studio.ui.history_audio import WAVEFORM_SIZE, waveform_file
 
 UI_REPLAY_LIMIT = 20  # runs per replay from the UI; `omni-studio replay` takes any number
 SELECTED, FILTERED = "the selected run", "the runs matching the filters"
@@ -34,8 +37,9 @@ def build_replay_section(
     gr.Markdown(
         "### Replay (regression check)\n"
         "Re-run with the exact recorded parameters and seed on the running engine, then compare the "
-        "outputs: identical bytes, or the pixel difference and PSNR. Apply another deploy config or model "
-        "first (Pipeline, Chat) to check what it changes.",
+        "outputs: identical bytes, or the pixel difference and PSNR (audio: each length, the max sample "
+        "difference and SNR, with both to play). Apply another deploy config or model first (Pipeline, "
+        "Chat) to check what it changes.",
         elem_id="omni-h-replay-intro",
     )
     with gr.Row():
@@ -69,8 +73,30 @@ def build_replay_section(
                 visible=False,
                 elem_id="omni-h-replay-files",
             )
+    with gr.Group(visible=False, elem_id="omni-h-replay-audio") as audio_group:
+        audio_pick = gr.Dropdown([], label="Spoken output", elem_id="omni-h-replay-audio-pick")
+        audio_figures = gr.Markdown("", elem_id="omni-h-replay-audio-figures")
+        with gr.Row(equal_height=False):
+            with gr.Column():
+                before_audio = gr.Audio(
+                    label="Before (original)", interactive=False, elem_id="omni-h-replay-before"
+                )
+                before_wave = gr.Image(
+                    label="Before · waveform",
+                    type="filepath",
+                    interactive=False,
+                    height=WAVEFORM_SIZE[1] + 40,
+                )
+            with gr.Column():
+                after_audio = gr.Audio(
+                    label="After (replay)", interactive=False, elem_id="omni-h-replay-after"
+                )
+                after_wave = gr.Image(
+                    label="After · waveform", type="filepath", interactive=False, height=WAVEFORM_SIZE[1] + 40
+                )
     report_md = gr.Markdown("", elem_id="omni-h-replay-report")
     pairs_state = gr.State({})
+    audio_state = gr.State({})
 
     async def do_replay(run_id_v: str, scope_v: str, parameters_v: str, *filter_values: Any):
         if store is None or studio.recorder is None:
@@ -106,27 +132,66 @@ def build_replay_section(
                 hidden,
                 hidden,
                 {},
+                {},
             )
             report.entries.append(await replayer.replay(original, target))
         folder = Path(tempfile.mkdtemp(prefix="omni-replay-"))
         paths = [str(write_report(report, folder / f"replay-report{suffix}")) for suffix in (".md", ".json")]
         pairs = {label: (before, after) for label, before, after in report.pairs}
         first = next(iter(pairs), None)
+        sounds = {label: audio_view(output) for label, output in report.audio_pairs}
         yield (
             report.to_markdown(),
             gr.update(choices=list(pairs), value=first, visible=bool(pairs)),
             gr.update(value=pairs[first] if first else None, visible=bool(pairs)),
             gr.update(value=paths, visible=True),
             pairs,
+            sounds,
         )
 
+    def audio_view(output: Any) -> dict[str, Any]:
+        """What the before/after players show of one compared audio output."""
+        from studio.store.records import OutputRecord
+
+        def picture(path: str, sha256: str | None) -> str | None:
+            if not sha256:
+                return None
+            record = OutputRecord(0, "audio", sha256, "audio/wav", None, None, 0, Path(path))
+            try:
+                return waveform_file(record)
+            except OSError:  # a file removed by retention meanwhile
+                return None
+
+        verdict = "**identical samples**" if output.identical else "**changed**"
+        return {
+            "figures": f"{verdict} · {output.audio_summary()}",
+            "before": output.before_path,
+            "after": output.after_path,
+            "before_wave": picture(output.before_path, output.before_sha256),
+            "after_wave": picture(output.after_path, output.after_sha256),
+        }
+
+    audio_outputs = [audio_figures, before_audio, before_wave, after_audio, after_wave]
+
+    def show_audio(label: str | None, sounds: dict[str, dict[str, Any]]):
+        view = sounds.get(label or "")
+        if view is None:
+            return [gr.skip()] * len(audio_outputs)
+        return view["figures"], view["before"], view["before_wave"], view["after"], view["after_wave"]
+
+    def show_sounds(sounds: dict[str, dict[str, Any]]):
+        first = next(iter(sounds), None)
+        return gr.update(visible=bool(sounds)), gr.update(choices=list(sounds), value=first)
+
+    # The API's /replay keeps its outputs; the spoken outputs' players follow as a private step.
     start.click(
         do_replay,
         [run_id, scope, parameters, *filters],
-        [report_md, pair, slider, files, pairs_state],
+        [report_md, pair, slider, files, pairs_state, audio_state],
         api_name="replay",
         concurrency_id="generate",
-    )
+    ).success(show_sounds, [audio_state], [audio_group, audio_pick], api_visibility="private")
+    audio_pick.change(show_audio, [audio_pick, audio_state], audio_outputs, api_visibility="private")
 
     def show_pair(label: str | None, pairs: dict[str, tuple[str, str]]):
         return gr.update(value=pairs.get(label)) if label in pairs else gr.skip()
