@@ -202,6 +202,8 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             rows = stage_rows(text)
         except Exception:
             rows = [s.to_dict() for s in studio.config.stages]
+        # A valid config's own output types join the choices; what the YAML says (overlaid) need not be.
+        declared = {row["stage_id"]: row["engine_output_type"] for row in rows}
         overlay_raw_values(text, rows)
         grouped = report.by_stage() if report else {}
         names = stage_names()
@@ -219,7 +221,8 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
                 gr.update(visible=True),
                 stage_header(row, names.get(row["stage_id"])),
                 gr.update(
-                    choices=output_choices(kind, row["engine_output_type"]), value=row["engine_output_type"]
+                    choices=output_choices(kind, declared.get(row["stage_id"])),
+                    value=row["engine_output_type"],
                 ),
                 gr.update(value=row["backend"], interactive=kind == "ar"),
                 row["engine_args"].get("max_num_seqs"),
