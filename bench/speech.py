@@ -6,10 +6,12 @@ A real `omni-studio serve --model tiny-qwen-omni` (its preset: streaming code2wa
 `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)` runs on the same folder, prompt,
 voice, seed and sampling (speech: the thinker teacher-forced with `input`, as the server does). Rounds
 alternate the order of the four; ratios engine / one-shot are paired per round and seed. Then
-concurrency 1, 4 and 8 of streamed speech (levels alternating over rounds): audio seconds made per wall
-second, TTFP p50/p95. docs/speech.md, "Benchmark".
+concurrency 1, 4, 8 and 16 of streamed speech (levels alternating over rounds; each client its own API
+key): audio seconds made per wall second (also against the one-shot's, one request at a time), TTFP
+p50/p95, RTF, the share of streams whose worst underrun is at most 100 ms, and whether every stream's
+bytes equal the same request's alone. docs/speech.md, "Benchmark" and "Many listeners".
 
-    .venv/bin/python bench/speech.py [--rounds 3] [--seeds 3] [--levels 1 4 8] [--per-client 1]
+    .venv/bin/python bench/speech.py [--rounds 3] [--seeds 3] [--levels 1 4 8 16] [--per-client 1]
 
 TTFP: request sent to the first audio bytes received (one-shot: the whole call, it returns at the end).
 RTF: the request's time / the audio's seconds. Audio lengths are checked against the one-shot's (the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import os
 import statistics
@@ -58,7 +61,7 @@ def percentile(values: list[float], q: float) -> float:
 # -- through HTTP -------------------------------------------------------------------------------------
 
 
-def http_speech(client: httpx.Client, seed: int, token: str = "speech-bench") -> dict[str, float]:
+def http_speech(client: httpx.Client, seed: int, token: str = "speech-bench") -> dict[str, Any]:
     """A streamed `/v1/audio/speech` (pcm): TTFP, latency, audio seconds."""
     body = {
         "model": MODEL,
@@ -70,15 +73,43 @@ def http_speech(client: httpx.Client, seed: int, token: str = "speech-bench") ->
     }
     started = time.perf_counter()
     first, size = 0.0, 0
+    pieces: list[tuple[float, int]] = []  # (arrival, bytes)
+    digest = hashlib.sha256()
     with client.stream(
         "POST", "/v1/audio/speech", json=body, headers={"authorization": f"Bearer {token}"}
     ) as response:
         response.raise_for_status()
         for piece in response.iter_bytes():
-            if piece and not first:
-                first = time.perf_counter() - started
+            if not piece:
+                continue
+            now = time.perf_counter() - started
+            first = first or now
+            pieces.append((now, len(piece)))
+            digest.update(piece)
             size += len(piece)
-    return {"ttfp": first, "latency": time.perf_counter() - started, "audio": size / 2 / RATE}
+    return {
+        "ttfp": first,
+        "latency": time.perf_counter() - started,
+        "audio": size / 2 / RATE,
+        "underrun": worst_underrun(pieces),
+        "sha256": digest.hexdigest(),
+    }
+
+
+def worst_underrun(pieces: list[tuple[float, int]]) -> float:
+    """The longest silence a listener hears mid-stream (seconds): playback starts with the first piece;
+    a piece that arrives after everything before it has played leaves a gap, and playback resumes with it
+    (so a late piece delays everything after it, as a player's would)."""
+    worst, playing_until = 0.0, None
+    for arrival, size in pieces:
+        seconds = size / 2 / RATE
+        if playing_until is None or arrival > playing_until:
+            if playing_until is not None:
+                worst = max(worst, arrival - playing_until)
+            playing_until = arrival + seconds
+        else:
+            playing_until += seconds
+    return worst
 
 
 def http_chat(client: httpx.Client, seed: int) -> dict[str, Any]:
@@ -209,7 +240,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the order alternates within each")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N per round at concurrency 1")
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--per-client", type=int, default=1, help="speech requests per client per level")
     parser.add_argument("--serve-args", nargs="*", default=[], help="extra `omni-studio serve` flags")
     args = parser.parse_args()
@@ -228,7 +259,10 @@ def main() -> None:
     engine_runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     direct_runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     same_length = same_text = total = 0
-    levels: dict[int, dict[str, list[float]]] = {n: {"rate": [], "ttfp": []} for n in args.levels}
+    levels: dict[int, dict[str, list[Any]]] = {
+        n: {"rate": [], "ttfp": [], "rtf": [], "underrun": [], "same": []} for n in args.levels
+    }
+    seeds = range(100, 100 + max(args.levels) * args.per_client)
     with running_server(["serve", "--model", MODEL, *args.serve_args], data_dir) as server:
         client = httpx.Client(base_url=server.url, timeout=600)
         http_speech(client, 0), http_chat(client, 0), one_shot.run(0, True)  # warm-up
@@ -256,13 +290,14 @@ def main() -> None:
                     same_length += abs(ours["audio"] - theirs["audio"]) < 0.5 / RATE
                     same_text += kind == "speech" or ours["text"] == theirs["text"]
             print(f"  round {round_index + 1}: concurrency 1 done", flush=True)
+        alone = {seed: http_speech(client, seed)["sha256"] for seed in seeds}  # each stream's alone bytes
         for round_index in range(args.rounds):
             order = args.levels if round_index % 2 == 0 else list(reversed(args.levels))
             for level in order:
                 count = level * args.per_client
 
-                def one(i: int, level: int = level) -> dict[str, float]:
-                    return http_speech(client, 100 + i, token=f"speech-bench-{i % level}")
+                def one(i: int, level: int = level) -> dict[str, Any]:
+                    return http_speech(client, seeds[i], token=f"speech-bench-{i % level}")
 
                 started = time.perf_counter()
                 with ThreadPoolExecutor(level) as pool:
@@ -270,6 +305,9 @@ def main() -> None:
                 wall = time.perf_counter() - started
                 levels[level]["rate"].append(sum(r["audio"] for r in results_at) / wall)
                 levels[level]["ttfp"].extend(r["ttfp"] for r in results_at)
+                levels[level]["rtf"].extend(r["latency"] / r["audio"] for r in results_at if r["audio"])
+                levels[level]["underrun"].extend(r["underrun"] for r in results_at)
+                levels[level]["same"].extend(r["sha256"] == alone[seeds[i]] for i, r in enumerate(results_at))
                 print(
                     f"  round {round_index + 1} concurrency {level}: {count} requests in {wall:.1f} s",
                     flush=True,
@@ -289,16 +327,29 @@ def main() -> None:
             f"{paired(engine_runs[kind], direct_runs[kind], 'latency'):>18}"
         )
     print(f"same audio length as the one-shot: {same_length}/{total}; same chat text: {same_text}/{total}")
+    one_shot_rate = sum(r["audio"] for r in direct_runs["speech"]) / sum(
+        r["latency"] for r in direct_runs["speech"]
+    )
     base = statistics.median(levels[args.levels[0]]["rate"])
+    base_ttfp = statistics.median(levels[args.levels[0]]["ttfp"])
+    print(f"\none-shot generate, one request at a time: {one_shot_rate:.2f} audio s / wall s")
     print(
-        f"\n{'clients':>8} {'audio s / wall s':>17} {'x vs ' + str(args.levels[0]):>8} {'TTFP p50':>9} {'TTFP p95':>9}"
+        f"{'clients':>8} {'audio s/wall s (range)':>24} {'x vs ' + str(args.levels[0]):>8} {'x one-shot':>10} "
+        f"{'TTFP p50':>9} {'p95':>6} {'x vs ' + str(args.levels[0]):>8} {'RTF p50':>8} "
+        f"{'underrun<=100ms':>15} {'= alone':>8}"
     )
     for level in args.levels:
-        rate = statistics.median(levels[level]["rate"])
-        ttfp = levels[level]["ttfp"]
+        at = levels[level]
+        rate = statistics.median(at["rate"])
+        ttfp = statistics.median(at["ttfp"])
+        spread = f"{rate:.2f} ({min(at['rate']):.2f}-{max(at['rate']):.2f})"
+        smooth = sum(u <= 0.1 for u in at["underrun"]) / len(at["underrun"])
         print(
-            f"{level:>8} {rate:>17.2f} {rate / base:>8.2f} {percentile(ttfp, 0.5):>9.2f} {percentile(ttfp, 0.95):>9.2f}"
+            f"{level:>8} {spread:>24} {rate / base:>8.2f} {rate / one_shot_rate:>10.2f} {ttfp:>9.2f} "
+            f"{percentile(at['ttfp'], 0.95):>6.2f} {ttfp / base_ttfp:>8.2f} {statistics.median(at['rtf']):>8.2f} "
+            f"{smooth:>14.0%} {sum(at['same']):>4}/{len(at['same'])}"
         )
+    print("worst underrun per stream: the longest mid-stream silence a listener hears (docs/speech.md)")
 
 
 if __name__ == "__main__":

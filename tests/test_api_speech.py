@@ -531,3 +531,21 @@ def test_a_client_that_leaves_a_speech_stream_cancels_its_run(server):
     finally:
         store.close()
     assert speech(server, input="next", seed=1).status_code == 200
+
+
+def test_metrics_time_the_spoken_replies(client, server):
+    """/metrics: TTFP and RTF histograms and the underrun counter, labelled by model (the replies this
+    module's server has spoken so far, and one more)."""
+
+    def count() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        name = f'omni_studio_speech_ttfp_seconds_count{{model="{MODEL}"}}'
+        rows = [row for row in text.splitlines() if row.startswith(name)]
+        return float(rows[0].split()[-1]) if rows else 0.0
+
+    before = count()
+    client.audio.speech.create(model=MODEL, input="count me", voice="Chelsie", extra_body={"seed": 3})
+    assert count() == before + 1
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    assert f'omni_studio_speech_realtime_factor_count{{model="{MODEL}"}}' in text
+    assert f'omni_studio_speech_underruns_total{{model="{MODEL}"}}' in text

@@ -1,5 +1,6 @@
 """Prometheus metrics for ``GET /metrics``: requests, latency, per-stage time, queue depth and each
-waiting request's place in its stage's queue; and the process's own (CPU, memory, garbage collection)."""
+waiting request's place in its stage's queue; spoken replies' TTFP, RTF and underruns
+(``studio/api/speech_metrics.py``); and the process's own (CPU, memory, garbage collection)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from prometheus_client import (
 )
 
 from engine.events import StageFinished
+from studio.api.speech_metrics import SpeechMeter
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -73,6 +75,7 @@ class APIMetrics:
             ["request_id", "stage"],
             registry=self.registry,
         )
+        self.speech = SpeechMeter(self.registry)  # TTFP, RTF, underruns of spoken replies
         self.decode_path = Gauge(
             "omni_studio_decode_path",
             "How each AR stage's decode batches on this machine (1 for the path in use; docs/batching.md)",

@@ -119,10 +119,12 @@ class ServingState:
     def run_service(self) -> RunService:
         """The run path of API requests: recorded under this state's source, stage timings in the metrics."""
         metrics = self.metrics
+        model = self.served_model_name  # handlers (and this) are rebuilt when the model changes
 
         def observe(event: EngineEvent) -> None:
             if isinstance(event, StageFinished):
                 metrics.observe_stage(event)
+            metrics.speech.observe(model, event)
 
         return RunService(
             self.recorder,
