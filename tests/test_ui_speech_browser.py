@@ -1,10 +1,11 @@
 """Speech in the studio in a real browser (headless Debian Chromium, Playwright) against
 `omni-studio ui --model tiny-qwen-omni` on 127.0.0.1 (docs/speech.md "In the studio"): the voice picker,
 a spoken reply that plays (live, then as an `<audio>` in the conversation), an uploaded WAV heard as
-speech in, History playing the run, and the model picker switching the speech controls off and on.
+speech in, History playing the run, Stop, the Speech tab, a dropped FLAC's recipe, and the model picker
+switching the speech controls off and on.
 
-With ``OMNI_STUDIO_SCREENSHOT_DIR`` set, the Chat tab with a spoken reply is saved there as
-``chat-speech.png`` (how docs/screenshots/chat-speech.png is made).
+With ``OMNI_STUDIO_SCREENSHOT_DIR`` set, the Chat tab with a spoken reply and the Speech tab with its
+result are saved there as ``chat-speech.png`` and ``speech.png`` (how docs/screenshots/ gets them).
 """
 
 from __future__ import annotations
@@ -305,6 +306,10 @@ def test_the_speech_tab_speaks_the_text_plays_it_and_records_it(page, studio):
     assert read_audio_recipe(served.content)["parameters"]["speed"] == 1.5
     waveform = page.locator("#omni-speech-waveform img[src]")
     assert waveform.count() == 1
+    target = os.environ.get("OMNI_STUDIO_SCREENSHOT_DIR")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(target) / "speech.png"))
 
 
 def test_the_speech_tab_names_a_bad_input(page):
