@@ -100,7 +100,14 @@ class Studio:
         self.devices = devices  # --devices: kept across Apply
         self.deploy_text = deploy_text if deploy_text is not None else self.default_deploy_text(engine.model)
         files = store.files if store is not None else OutputFiles.in_data_dir(self.data_dir)
-        self.runs = RunService(recorder, "ui", files, limits=serving.options.limits, board=serving.board)
+        self.runs = RunService(
+            recorder,
+            "ui",
+            files,
+            on_event=self._observe,
+            limits=serving.options.limits,
+            board=serving.board,
+        )
         self.share = ShareInfo()
         self.admin_user: str | None = None  # the --auth login: may cancel and move anything (Queue tab)
         self.base_url = ""
@@ -352,6 +359,10 @@ class Studio:
             tracker.fail(stopped, cancelled=True)  # a no-op when the run has its outcome already
             if client is not None:
                 slots.release(client)
+
+    def _observe(self, event: EngineEvent) -> None:
+        """The studio's own runs in the speech figures, as the API's are (/metrics, the System tab)."""
+        self.serving.metrics.speech.observe(self.serving.served_model_name, event)
 
     def keep_image(self, image: Any) -> str:
         """Write an output image to the run store's files (once per hash); returns its path."""

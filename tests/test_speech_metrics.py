@@ -68,3 +68,19 @@ def test_a_whole_file_reply_is_heard_when_it_finishes():
     )
     assert value(registry, "omni_studio_speech_ttfp_seconds_sum", model="m") == pytest.approx(0.5)
     assert value(registry, "omni_studio_speech_realtime_factor_sum", model="m") == pytest.approx(0.5)
+
+
+def test_the_summary_gives_each_models_recent_figures():
+    registry = CollectorRegistry()
+    meter = SpeechMeter(registry)
+    for i, (first, late) in enumerate([(0.2, False), (0.4, True), (0.3, False)]):
+        request = f"r{i}"
+        meter.observe("m", StageStarted(request, 0, 0), now=0.0)
+        meter.observe("m", chunk(0.5, request), now=first)
+        meter.observe("m", chunk(0.5, request), now=first + (0.6 if late else 0.3))
+        meter.observe("m", RunFinished(request, 0), now=2.0)
+    summary = meter.summary()["m"]
+    assert summary["replies"] == 3 and summary["with_underruns"] == 1
+    assert summary["ttfp_p50_s"] == 0.3 and summary["ttfp_p95_s"] == 0.4
+    assert summary["rtf_p50"] == 2.0  # 2 s for 1 s of audio each
+    assert meter.summary().keys() == {"m"}

@@ -355,6 +355,21 @@ def test_a_dropped_flac_restores_its_spoken_request(page, studio, tmp_path):
     wait_text(page, "#omni-recipe-note", "carries no recipe")
 
 
+def test_the_system_tab_shows_the_spoken_replies_figures(page, studio):
+    """After this module's spoken runs (Chat, Speech tab, API): the System tab's speech table."""
+    response = httpx.post(
+        studio.url + "/v1/audio/speech",
+        timeout=WAIT_S,
+        json={"model": "tiny-qwen-omni", "input": "figures", "voice": "Chelsie", "seed": 3},
+    )
+    assert response.status_code == 200
+    open_tab(page, "System")
+    table = page.locator("#omni-system-speech")
+    table.wait_for()
+    row = table.locator("tr", has_text="tiny-qwen-omni").inner_text().split("\t")
+    assert int(row[1]) >= 1 and float(row[2]) > 0 and float(row[4]) > 0, row
+
+
 def test_the_model_picker_turns_the_speech_controls_off_and_on(page):
     """Last in this module: it switches the module's studio to tiny-chat and back."""
     picker = page.locator("#omni-model input")

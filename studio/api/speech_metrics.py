@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -21,6 +22,11 @@ from engine.events import AudioDelta, EngineEvent, RunFailed, RunFinished, Stage
 TTFP_BUCKETS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
 RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 UNDERRUN_S = 0.02  # a gap shorter than this is inaudible behind a player's buffer
+RECENT = 1000  # replies per model the System tab's figures are taken over
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 3)
 
 
 @dataclass
@@ -60,7 +66,26 @@ class SpeechMeter:
             registry=registry,
         )
         self._requests: dict[tuple[str, int], _Listening] = {}
+        self._recent: dict[str, deque[tuple[float, float, int]]] = {}  # model -> (ttfp, rtf, underruns)
         self._lock = threading.Lock()
+
+    def summary(self) -> dict[str, dict[str, float | int]]:
+        """Per model, over its last :data:`RECENT` spoken replies: how many, TTFP p50/p95, RTF p50, and
+        how many of them a listener heard a gap in (the System tab)."""
+        with self._lock:
+            recent = {model: list(rows) for model, rows in self._recent.items()}
+        out: dict[str, dict[str, float | int]] = {}
+        for model, rows in recent.items():
+            ttfps = sorted(r[0] for r in rows)
+            rtfs = sorted(r[1] for r in rows)
+            out[model] = {
+                "replies": len(rows),
+                "ttfp_p50_s": _quantile(ttfps, 0.5),
+                "ttfp_p95_s": _quantile(ttfps, 0.95),
+                "rtf_p50": _quantile(rtfs, 0.5),
+                "with_underruns": sum(1 for r in rows if r[2]),
+            }
+        return out
 
     def observe(self, model: str, event: EngineEvent, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -107,5 +132,7 @@ class SpeechMeter:
             if not listening.seconds:
                 continue
             began = listening.started - listening.queued
-            self.ttfp.labels(model).observe(listening.first_audio - began)
-            self.rtf.labels(model).observe((now - began) / listening.seconds)
+            ttfp, rtf = listening.first_audio - began, (now - began) / listening.seconds
+            self.ttfp.labels(model).observe(ttfp)
+            self.rtf.labels(model).observe(rtf)
+            self._recent.setdefault(model, deque(maxlen=RECENT)).append((ttfp, rtf, listening.underruns))

@@ -122,6 +122,8 @@ def system_info(studio: Studio) -> dict[str, Any]:
                 for s in config.stages
             ],
             "requests_in_flight": studio.engine.in_flight,
+            # Spoken replies of the API and this studio (studio/api/speech_metrics.py; /metrics has them too).
+            "speech": studio.serving.metrics.speech.summary(),
             "voices": studio.voices() if studio.speaks else [],
         },
         "models": {name: f"{m.family} — {m.description}" for name, m in BUILTIN_MODELS.items()},
@@ -268,9 +270,25 @@ def system_html(info: dict[str, Any]) -> str:
         "omni-system-stages",
     )
     models = _table(["built-in model", "what"], [[k, v] for k, v in info["models"].items()])
+    spoken = running.get("speech") or {}
+    speech = (
+        _card(
+            "Spoken replies (the last 1000 per model)",
+            _table(
+                ["model", "replies", "TTFP p50 (s)", "TTFP p95 (s)", "RTF p50", "with an underrun"],
+                [
+                    [m, f["replies"], f["ttfp_p50_s"], f["ttfp_p95_s"], f["rtf_p50"], f["with_underruns"]]
+                    for m, f in spoken.items()
+                ],
+                "omni-system-speech",
+            ),
+        )
+        if spoken
+        else ""
+    )
     return (
         STYLE
-        + f"<div class='omni-sys-wide'>{_card('Running stages', stages)}</div>"
+        + f"<div class='omni-sys-wide'>{_card('Running stages', stages)}{speech}</div>"
         + "<div class='omni-sys-grid omni-sys-wide'>"
         + _card("Running model", model_body)
         + _card("Devices", device_body)
