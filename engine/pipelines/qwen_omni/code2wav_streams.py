@@ -17,17 +17,47 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from engine.config import ResolvedStage
 from engine.events import DiffusionStep, StageStatus
 from engine.stages.base import JobDone, StageCancelled, StageJob
 from engine.streaming import CANCEL_POLL_S, CHUNK_FEED_KEY, ChunkFeed
 from engine.tempo import Tempo
 
-if TYPE_CHECKING:
-    from engine.pipelines.qwen_omni.code2wav import Code2WavStage
+
+class Code2WavStage(Protocol):
+    """What the streams need of code2wav's runner (``engine/pipelines/qwen_omni/code2wav.py``)."""
+
+    model: Any
+    stage: ResolvedStage
+    device: torch.device
+    sample_rate: int
+
+    @property
+    def stage_id(self) -> int: ...
+
+    @property
+    def intra_op_threads(self) -> int | None: ...
+
+    def conditioning(self, job: StageJob) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def integrate(
+        self,
+        job: StageJob,
+        codes: torch.Tensor,
+        speaker: torch.Tensor,
+        reference: torch.Tensor,
+        start: torch.Tensor,
+        report: bool = True,
+    ) -> torch.Tensor: ...
+
+    def send(self, job: StageJob, samples: torch.Tensor) -> None: ...
+
+    def run(self, jobs: list[StageJob]) -> None: ...
+
 
 VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a chunk (docs/speech.md)
 
