@@ -192,6 +192,24 @@ def test_same_request_and_seed_give_the_same_chunks_alone_and_among_eight(stream
     assert len({results[i][-1].outputs[0].audio.tobytes() for i in range(8)}) > 1
 
 
+def talker_codes(streaming: OmniEngine, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """The streamed run of ``speak(seed=seed)``: its audio, and the codes the talker made (as code2wav's
+    feed last held them)."""
+    runner, feeds = streaming.runners[2], []
+    original = runner.submit
+
+    def spy(job: StageJob, done) -> None:
+        feeds.append(job.inputs[CHUNK_FEED_KEY])
+        original(job, done)
+
+    runner.submit = spy  # type: ignore[method-assign]
+    try:
+        audio = events_of(streaming, speak(seed=seed))[-1].outputs[0].audio
+    finally:
+        del runner.submit
+    return audio, torch.as_tensor(feeds[-1].snapshot()[0]["codes"]).reshape(1, -1)
+
+
 def _code2wav_job(
     streaming: OmniEngine, codes: torch.Tensor, seed: int, feed: ChunkFeed | None = None
 ) -> StageJob:
@@ -208,20 +226,7 @@ def test_streamed_chunks_match_the_whole_utterance_render_within_the_documented_
     """The streamed samples against one render of the whole utterance from the same codes and noise:
     what the chunk windows' limited context costs (docs/speech.md, "Streaming, measured")."""
     runner = streaming.runners[2]
-    feeds: list[ChunkFeed] = []
-    original = runner.submit
-
-    def spy(job: StageJob, done) -> None:
-        feeds.append(job.inputs[CHUNK_FEED_KEY])
-        original(job, done)
-
-    runner.submit = spy  # type: ignore[method-assign]
-    try:
-        streamed = events_of(streaming, speak(seed=seed))[-1].outputs[0].audio
-    finally:
-        del runner.submit
-    seen = [feed.snapshot()[0] for feed in feeds]
-    codes = torch.as_tensor(seen[-1]["codes"]).reshape(1, -1)
+    streamed, codes = talker_codes(streaming, seed)
     assert codes.shape[1] > CHUNK  # more than one chunk
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the stage's intra-op threads: the same kernels
@@ -280,29 +285,12 @@ def test_a_stage_that_cannot_render_chunks_is_refused_at_start(glm_engine):
 # -- many listeners: the chunk scheduler (docs/speech.md, "Many listeners") ----------------------------
 
 
-def talker_codes(streaming: OmniEngine, seed: int) -> torch.Tensor:
-    """The codes the talker makes for ``speak(seed=seed)`` (as code2wav's feed last held them)."""
-    runner, feeds = streaming.runners[2], []
-    original = runner.submit
-
-    def spy(job: StageJob, done) -> None:
-        feeds.append(job.inputs[CHUNK_FEED_KEY])
-        original(job, done)
-
-    runner.submit = spy  # type: ignore[method-assign]
-    try:
-        events_of(streaming, speak(seed=seed))
-    finally:
-        del runner.submit
-    return torch.as_tensor(feeds[-1].snapshot()[0]["codes"]).reshape(1, -1)
-
-
 def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming):
     """Two streams handed to code2wav one right after the other, every code known: the first one's first
     chunk, then the newcomer's first chunk (its listener has nothing yet; the first one's has a chunk to
     play), then turns by whose listener runs out first; each stream's samples are its alone render's."""
     runner = streaming.runners[2]
-    codes = {seed: talker_codes(streaming, seed) for seed in (2, 5)}
+    codes = {seed: talker_codes(streaming, seed)[1] for seed in (2, 5)}
     assert all(c.shape[1] > 2 * CHUNK for c in codes.values())  # three chunks or more each
     order: list[str] = []
     lock = threading.Lock()

@@ -79,6 +79,29 @@ def render_progress(
     return "<div class='omni-progress'>" + "".join(rows) + "</div>"
 
 
+def track_stages(stages: dict[int, dict[str, Any]], event: Any) -> bool:
+    """Fold a stage's start, progress or finish into ``stages`` (what :func:`render_progress` draws);
+    False for any other event."""
+    if isinstance(event, StageStarted):
+        stages[event.stage_id] = {"kind": event.kind, "step": 0, "total": event.total, "status": "running"}
+    elif isinstance(event, (TokenProgress, DiffusionStep)):
+        stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
+        stage.update(step=event.step, total=event.total)
+    elif isinstance(event, StageFinished):
+        stage = stages.setdefault(event.stage_id, {"kind": event.kind})
+        stage.update(status=event.status, seconds=event.seconds)
+        if event.status == "succeeded":
+            stage["step"] = stage.get("total") or stage.get("step", 0)
+    else:
+        return False
+    return True
+
+
+def queued_status(event: Queued, seed: int) -> str:
+    ahead = f"{event.ahead} ahead of you" if event.ahead else "next in line"
+    return f"Queued… {ahead} · seed {seed}"
+
+
 def history_turns(history: list[dict[str, Any]]) -> tuple[ChatTurn, ...]:
     """Earlier text turns of the conversation (images are shown, not sent back to the model)."""
     turns = []
@@ -400,20 +423,13 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         try:
             async for rid, event in runs:
                 if isinstance(event, Queued):
-                    ahead = f"{event.ahead} ahead of you" if event.ahead else "next in line"
-                    yield out(run_id=rid, status=f"Queued… {ahead} · seed {resolved.seed}")
+                    yield out(run_id=rid, status=queued_status(event, resolved.seed))
                 elif isinstance(event, StageStarted):
-                    stages[event.stage_id] = {
-                        "kind": event.kind,
-                        "step": 0,
-                        "total": event.total,
-                        "status": "running",
-                    }
+                    track_stages(stages, event)
                     running = f"Running… seed {resolved.seed}"
                     yield out(progress=render_progress(stages, labels), run_id=rid, status=running)
                 elif isinstance(event, (TokenProgress, DiffusionStep)):
-                    stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
-                    stage.update(step=event.step, total=event.total)
+                    track_stages(stages, event)
                     preview = event.preview if isinstance(event, DiffusionStep) else None
                     has_preview = preview is not None
                     now = time.monotonic()
@@ -436,10 +452,7 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
                         last_update = now
                         yield out(chatbot=history, run_id=rid)
                 elif isinstance(event, StageFinished):
-                    stage = stages.setdefault(event.stage_id, {"kind": event.kind})
-                    stage.update(status=event.status, seconds=event.seconds)
-                    if event.status == "succeeded":
-                        stage["step"] = stage.get("total") or stage.get("step", 0)
+                    track_stages(stages, event)
                     yield out(progress=render_progress(stages, labels), run_id=rid)
                 elif isinstance(event, RunFinished):
                     content: list[Any] = []

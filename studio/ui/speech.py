@@ -17,15 +17,7 @@ from typing import Any
 import gradio as gr
 
 from engine import RequestError
-from engine.events import (
-    AudioDelta,
-    DiffusionStep,
-    RunFailed,
-    RunFinished,
-    StageFinished,
-    StageStarted,
-    TokenProgress,
-)
+from engine.events import PROGRESS_EVENTS, AudioDelta, RunFailed, RunFinished
 from engine.modality import format_output_modalities
 from engine.tempo import MAX_SPEED, MIN_SPEED
 from studio.controller import Studio
@@ -33,7 +25,13 @@ from studio.media.audio import AUDIO_FORMATS, AudioError, encode_audio, waveform
 from studio.recipes.recipe import audio_recipe
 from studio.runs.service import Queued, RunRejected
 from studio.runs.speech import speech_input_problem, speech_payload, speech_request
-from studio.ui.chat import UI_UPDATE_INTERVAL_S, render_progress, speech_labels
+from studio.ui.chat import (
+    UI_UPDATE_INTERVAL_S,
+    queued_status,
+    render_progress,
+    speech_labels,
+    track_stages,
+)
 from studio.ui.speaker import SPEAKER_IDLE, speaker_chunk, speaker_end, speaker_js, speaker_start
 
 FORMATS = ("wav", "flac", "mp3", "opus")  # what a browser plays and a person downloads (pcm is for programs)
@@ -194,16 +192,10 @@ def build_speech_tab(studio: Studio) -> dict[str, Any]:
         try:
             async for rid, event in runs:
                 if isinstance(event, Queued):
-                    ahead = f"{event.ahead} ahead of you" if event.ahead else "next in line"
-                    yield out(run_id=rid, status=f"Queued… {ahead} · seed {resolved.seed}")
-                elif isinstance(event, StageStarted):
-                    stages[event.stage_id] = {"kind": event.kind, "step": 0, "total": event.total}
-                    yield out(progress=render_progress(stages, labels), run_id=rid)
-                elif isinstance(event, (TokenProgress, DiffusionStep)):
-                    stage = stages.setdefault(event.stage_id, {"kind": "", "status": "running"})
-                    stage.update(step=event.step, total=event.total)
+                    yield out(run_id=rid, status=queued_status(event, resolved.seed))
+                elif track_stages(stages, event):
                     now = time.monotonic()
-                    if now - last_update >= UI_UPDATE_INTERVAL_S:
+                    if not isinstance(event, PROGRESS_EVENTS) or now - last_update >= UI_UPDATE_INTERVAL_S:
                         last_update = now
                         yield out(progress=render_progress(stages, labels), run_id=rid)
                 elif isinstance(event, AudioDelta):
@@ -212,12 +204,6 @@ def build_speech_tab(studio: Studio) -> dict[str, Any]:
                         spoken += speaker_chunk(chunks, event)
                         chunks += 1
                         yield out(speaker=spoken, run_id=rid)
-                elif isinstance(event, StageFinished):
-                    stage = stages.setdefault(event.stage_id, {"kind": event.kind})
-                    stage.update(status=event.status, seconds=event.seconds)
-                    if event.status == "succeeded":
-                        stage["step"] = stage.get("total") or stage.get("step", 0)
-                    yield out(progress=render_progress(stages, labels), run_id=rid)
                 elif isinstance(event, RunFinished):
                     elapsed = time.monotonic() - started
                     output = event.outputs[0]
