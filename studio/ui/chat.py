@@ -501,10 +501,12 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
     outputs = [chatbot, message, progress, preview, run_id, last_image, speaker, audio_in, status]
     message.submit(send, inputs, outputs, api_name="chat", show_progress="hidden", concurrency_id="generate")
 
-    def stop_run(current: str | None) -> str:
+    def stop_run(current: str | None) -> Any:
         # Cancelling the engine request (not the Gradio event) lets the run end on its own terms: the
         # conversation shows "Stopped" and the run is recorded as cancelled.
-        return "⏹ Stopping…" if studio.cancel(current) else "Nothing is running."
+        # The run's own stream then says "Stopped"; a "Stopping…" from here could reach the page after it
+        # (two events, one status line) and stay, so a cancel that took writes nothing.
+        return gr.skip() if studio.cancel(current) else "Nothing is running."
 
     stop.click(stop_run, [run_id], [status], api_name="stop")
 

@@ -246,8 +246,10 @@ def build_speech_tab(studio: Studio) -> dict[str, Any]:
         speak, inputs, outputs, api_visibility="private", show_progress="hidden", concurrency_id="generate"
     )
 
-    def stop_run(current: str | None) -> str:
-        return "⏹ Stopping…" if studio.cancel(current) else "Nothing is running."
+    def stop_run(current: str | None) -> Any:
+        # The run's own stream then says "Stopped"; a "Stopping…" from here could reach the page after it
+        # (two events, one status line) and stay, so a cancel that took writes nothing.
+        return gr.skip() if studio.cancel(current) else "Nothing is running."
 
     stop.click(stop_run, [run_id], [status], api_name="speech_stop")
 
