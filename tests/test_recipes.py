@@ -24,7 +24,7 @@ from PIL.PngImagePlugin import PngInfo
 from studio import __version__
 from studio.cli import main
 from studio.recipes.recipe import A1111, RecipeError, RecipeStamper, RunRecipe, read_recipe
-from studio.recipes.runs import BY_FILE, BY_RECIPE, runs_for_png
+from studio.recipes.runs import BY_FILE, BY_RECIPE, runs_for_file
 from tests.servers import running_server
 
 pytest.register_assert_rewrite("conftest_store")
@@ -205,15 +205,15 @@ def test_each_output_carries_its_own_recipe_and_is_found_by_file_then_by_recipe(
     assert store.runs_with_output(hashlib.sha256(stored[1]).hexdigest()) == [run.id]
     source_sha = next(o.sha256 for o in run.outputs if o.kind == "source")
     assert store.runs_with_output(source_sha) == []  # a run's input is not what it made
-    found = runs_for_png(store, stored[1], read_recipe(stored[1]))
+    found = runs_for_file(store, stored[1], read_recipe(stored[1]))
     assert (found.matched_by, found.run_ids) == (BY_FILE, [run.id])
     copy = resaved(stored[1])
     assert copy != stored[1]
-    found = runs_for_png(store, copy, read_recipe(copy))
+    found = runs_for_file(store, copy, read_recipe(copy))
     assert (found.matched_by, found.run_ids) == (BY_RECIPE, [run.id])
     elsewhere = read_recipe(copy)
     other_seed = replace(elsewhere, parameters={**elsewhere.parameters, "seed": 42})
-    assert runs_for_png(store, copy, other_seed).run_ids == []  # outside the run's seeds 40, 41
+    assert runs_for_file(store, copy, other_seed).run_ids == []  # outside the run's seeds 40, 41
 
 
 # -- a running studio: API, UI and the CLI against its data dir ------------------------------------

@@ -46,11 +46,11 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
                 else format_run_table(runs, total)
             )
         elif action == "show" and args.png is not None:
-            from studio.cli.recipe import show_png_runs
+            from studio.cli.recipe import show_file_runs
 
             if args.run_id is not None:
                 raise UserError("give a run ID or --png FILE.png, not both")
-            return show_png_runs(args, store)
+            return show_file_runs(args, store)
         elif action == "show":
             if args.run_id is None:
                 raise UserError("give a run ID (or --png FILE.png)")

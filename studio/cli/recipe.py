@@ -20,7 +20,7 @@ from studio.recipes.runs import (
     compare_with_original,
     parameter_changes,
     plan_rerun,
-    runs_for_png,
+    runs_for_file,
 )
 from studio.startup.settings import StudioSettings
 
@@ -115,7 +115,7 @@ def report_rerun(args: argparse.Namespace, resolved: Any, config_hash: str, resu
         )
 
 
-def show_png_runs(args: argparse.Namespace, store: Any) -> int:
+def show_file_runs(args: argparse.Namespace, store: Any) -> int:
     """``history show --file FILE`` (or ``--png``): the run(s) a PNG, WAV or FLAC came from, as ``history
     show ID`` prints them."""
     from studio.store.terminal import format_run_detail
@@ -127,7 +127,7 @@ def show_png_runs(args: argparse.Namespace, store: Any) -> int:
         if not (data.startswith(b"\x89PNG") or is_audio_file(data)):
             raise UserError(f"--file: {exc}") from None
         recipe = None  # a file without a recipe can still be a recorded output (by its sha256)
-    found = runs_for_png(store, data, recipe)
+    found = runs_for_file(store, data, recipe)
     if not found.run_ids:
         why = "" if recipe is not None else " (it carries no recipe, and its sha256 is no recorded output)"
         raise UserError(f"no run recorded for this file: {args.png}{why}")

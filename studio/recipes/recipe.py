@@ -250,7 +250,7 @@ def grid_recipe_chunks(job_id: str, label: str, spec: dict[str, Any]) -> list[tu
     A1111 readers show), and our JSON chunk holding the job spec, so the grid can be submitted again
     (``omni-studio batch``; docs/jobs.md). No clock: the same job and cells give the same bytes."""
     axes = [
-        f"{name.upper()}: {axis.get('param') or axis.get('name')} {_quote(axis.get('values'))}"
+        f"{name.upper()}: {axis.get('param')} {_quote(axis.get('values'))}"
         for name, axis in (("x", spec.get("x")), ("y", spec.get("y")))
         if isinstance(axis, dict)
     ]

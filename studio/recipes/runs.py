@@ -33,8 +33,8 @@ _PER_OUTPUT = ("seed", "n")
 
 
 @dataclass(frozen=True)
-class PngRuns:
-    """The runs a PNG came from (newest first) and how they were matched (:data:`BY_FILE` or
+class FileRuns:
+    """The runs a PNG, WAV or FLAC came from (newest first) and how they were matched (:data:`BY_FILE` or
     :data:`BY_RECIPE`); no runs: ``run_ids`` is empty."""
 
     sha256: str
@@ -42,7 +42,7 @@ class PngRuns:
     run_ids: list[str] = field(default_factory=list)
 
 
-def runs_for_png(store: Any, data: bytes, recipe: Recipe | None) -> PngRuns:
+def runs_for_file(store: Any, data: bytes, recipe: Recipe | None) -> FileRuns:
     """The recorded runs ``data`` (a PNG's, WAV's or FLAC's bytes, its ``recipe`` if it has one) came from,
     in ``store``.
 
@@ -52,9 +52,9 @@ def runs_for_png(store: Any, data: bytes, recipe: Recipe | None) -> PngRuns:
     sha256 = hashlib.sha256(data).hexdigest()
     ids = store.runs_with_output(sha256, "audio" if is_audio_file(data) else "image")
     if ids:
-        return PngRuns(sha256, BY_FILE, ids)
+        return FileRuns(sha256, BY_FILE, ids)
     if recipe is None or recipe.seed is None:
-        return PngRuns(sha256, None)
+        return FileRuns(sha256, None)
     selection = RunFilter(
         search=recipe.prompt or None,
         status="succeeded",
@@ -68,7 +68,7 @@ def runs_for_png(store: Any, data: bytes, recipe: Recipe | None) -> PngRuns:
             continue
         if recipe_matches(recipe, store.get_run(summary.id).parameters):
             matches.append(summary.id)
-    return PngRuns(sha256, BY_RECIPE if matches else None, matches)
+    return FileRuns(sha256, BY_RECIPE if matches else None, matches)
 
 
 def recipe_matches(recipe: Recipe, parameters: dict[str, Any]) -> bool:
