@@ -316,6 +316,44 @@ def _check_after_0006(connection: Connection) -> None:
         assert _fts_ids(connection, "say hello") == {"r1"}
 
 
+def _added_0007(connection: Connection) -> None:
+    assert "user_name" in columns(connection, "runs")
+    assert columns(connection, "users") >= {"name", "password_hash", "admin"}
+    assert columns(connection, "api_keys") >= {"id", "user_id", "secret_sha256", "revoked_at"}
+    assert search_index_present(connection)
+
+
+def _removed_0007(connection: Connection) -> None:
+    assert "user_name" not in columns(connection, "runs")
+    assert not {"users", "api_keys"} & set(inspect(connection).get_table_names())
+    assert search_index_present(connection)
+
+
+def _check_after_0007(connection: Connection) -> None:
+    _check_after_0006(connection)
+    # Runs recorded before accounts belong to no account; a user, a key and an owned run fit the schema.
+    rows = connection.execute(text("SELECT id, user_name FROM runs ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [("r1", None), ("r2", None)]
+    connection.execute(
+        text("INSERT INTO users (name, password_hash, admin, created_at) VALUES ('alice', 'h', false, :t)"),
+        {"t": NOW},
+    )
+    connection.execute(
+        text(
+            "INSERT INTO api_keys (id, user_id, secret_sha256, created_at) "
+            "SELECT 'k1', id, :sha, :t FROM users WHERE name = 'alice'"
+        ),
+        {"sha": "d" * 64, "t": NOW},
+    )
+    connection.execute(text("UPDATE runs SET user_name = 'alice' WHERE id = 'r1'"))
+    owned = connection.execute(
+        text(
+            "SELECT r.id, k.id FROM runs r JOIN users u ON u.name = r.user_name JOIN api_keys k ON k.user_id = u.id"
+        )
+    ).all()
+    assert [tuple(r) for r in owned] == [("r1", "k1")]
+
+
 ADDED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_added_0001, _removed_0001),
     "0002": (_added_0002, _removed_0002),
@@ -323,6 +361,7 @@ ADDED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None
     "0004": (_added_0004, _removed_0004),
     "0005": (_added_0005, _removed_0005),
     "0006": (_added_0006, _removed_0006),
+    "0007": (_added_0007, _removed_0007),
 }
 POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], None]]] = {
     "0001": (_populate_before_0001, _check_after_0001),
@@ -331,6 +370,7 @@ POPULATED: dict[str, tuple[Callable[[Connection], None], Callable[[Connection], 
     "0004": (_populate_before_0002, _check_after_0004),
     "0005": (_populate_before_0002, _check_after_0005),
     "0006": (_populate_before_0002, _check_after_0006),
+    "0007": (_populate_before_0002, _check_after_0007),
 }
 
 

@@ -1,7 +1,7 @@
 """``omni-studio``: :func:`main` (the console entry point) and the table of commands.
 
 The parser and the settings are ``studio/cli/parser.py``; each command lives in its own module of this
-package (``run``, ``validate``, ``history``, ``batch``, ``replay``, ``recipe``)."""
+package (``run``, ``validate``, ``history``, ``batch``, ``replay``, ``recipe``, ``accounts``: users and keys)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import sys
 
 from engine.environment import quiet_libraries
+from studio.cli.accounts import cmd_keys, cmd_users
 from studio.cli.history import cmd_history
 from studio.cli.parser import build_parser, settings_from_args
 from studio.cli.run import cmd_run
@@ -50,10 +51,12 @@ def cmd_serve(args: argparse.Namespace, settings: StudioSettings) -> int:
 COMMANDS = {
     "batch": cmd_batch,
     "history": cmd_history,
+    "keys": cmd_keys,
     "replay": cmd_replay,
     "run": cmd_run,
     "serve": cmd_serve,
     "ui": cmd_ui,
+    "users": cmd_users,
     "validate": cmd_validate,
 }
 

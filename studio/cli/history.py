@@ -35,7 +35,9 @@ def cmd_history(args: argparse.Namespace, settings: StudioSettings) -> int:
         action = args.history_command
         if action == "ls":
             try:
-                selection = RunFilter(search=args.search, status=args.status, output_kind=args.output)
+                selection = RunFilter(
+                    search=args.search, status=args.status, output_kind=args.output, user=args.user
+                )
                 runs = store.list_runs(selection, limit=args.limit)
                 total = store.count_runs(selection)
             except ValueError as exc:  # an unknown --status or --output

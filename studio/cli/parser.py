@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--status", default=None, help="only runs with this status (e.g. failed)")
     ls.add_argument("--search", default=None, metavar="TEXT", help="text in the prompt")
     ls.add_argument(
+        "--user", default=None, metavar="NAME", help="only the runs of this account (docs/team.md)"
+    )
+    ls.add_argument(
         "--output",
         default=None,
         metavar="KIND",
@@ -392,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
     prune.add_argument("--all", action="store_true", help="every finished run (when no filter is given)")
     prune.add_argument("--dry-run", action="store_true", help="print how many runs match; delete nothing")
     prune.add_argument("--vacuum", action="store_true", help="then give the space back (VACUUM; see docs)")
+
+    from studio.cli.accounts import add_account_commands  # light: argparse only
+
+    add_account_commands(
+        lambda name, help_text, examples: command(name, HISTORY_GROUPS, help_text, examples),
+        lambda: _options(HISTORY_GROUPS, defaults=False),
+    )
 
     from studio.cli.replay import add_replay_arguments  # light: argparse only
 

@@ -61,6 +61,7 @@ RUN_FIELDS = (
     "ttfp_seconds",
     "audio_seconds",
     "realtime_factor",
+    "user_name",  # the run's account (docs/team.md); absent in bundles written before accounts: None
 )
 STAGE_FIELDS = (
     "variant_index",

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -87,7 +88,7 @@ class Run(Base):
         Index("ix_runs_created_at_id", "created_at", "id"),
         *(
             Index(f"ix_runs_{column}_created", column, "created_at", "id")
-            for column in ("status", "model", "source", "fingerprint", "config_hash")
+            for column in ("status", "model", "source", "fingerprint", "config_hash", "user_name")
         ),
     )
 
@@ -117,6 +118,9 @@ class Run(Base):
     ttfp_seconds: Mapped[float | None] = mapped_column(Float)  # submitted -> first audio the caller got
     audio_seconds: Mapped[float | None] = mapped_column(Float)  # audio made, every variant
     realtime_factor: Mapped[float | None] = mapped_column(Float)  # generation seconds / audio seconds
+    # The account the run belongs to (docs/team.md); NULL in a studio without accounts, and for the admin's
+    # --api-key and the local CLI.
+    user_name: Mapped[str | None] = mapped_column(String(64))
 
     stages: Mapped[list[RunStage]] = relationship(
         back_populates="run",
@@ -233,6 +237,32 @@ class JobItem(Base):
     error: Mapped[str | None] = mapped_column(Text)
 
     job: Mapped[Job] = relationship(back_populates="items")
+
+
+class User(Base):
+    """A team account (docs/team.md): its name, its password's argon2id hash, whether it is an admin."""
+
+    __tablename__ = "users"
+    __table_args__ = (UniqueConstraint("name", name="uq_users_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64))
+    password_hash: Mapped[str] = mapped_column(String(255))  # argon2id, never the password
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    """One API key of a user: its short visible id, the sha256 of its secret (never the key), a label."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)  # shown in lists; part of the key itself
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str | None] = mapped_column(String(100))
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
 
 
 def table_of(model: type[Base]) -> Table:

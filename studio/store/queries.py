@@ -88,6 +88,7 @@ class RunQueries(StoreBase):
             ttfp_seconds=run.ttfp_seconds,
             audio_seconds=run.audio_seconds,
             realtime_factor=run.realtime_factor,
+            owner=run.user_name,
         )
 
     @staticmethod
@@ -198,7 +199,7 @@ class RunQueries(StoreBase):
         conditions: list[ColumnElement[bool]] = []
         # SQLite plans without value statistics, and a status is a poor narrower (most runs succeed): with
         # a model, fingerprint or config filter, `status || ''` leaves that filter's index to drive.
-        narrower = bool(flt.model or flt.fingerprint or flt.config_hash)
+        narrower = bool(flt.model or flt.fingerprint or flt.config_hash or flt.user)
         for column, value, allowed in (
             (Run.status, flt.status, RUN_STATUSES),
             (Run.source, flt.source, RUN_SOURCES),
@@ -228,6 +229,8 @@ class RunQueries(StoreBase):
             conditions.append(prefix)
         if flt.replay_of:
             conditions.append(Run.replay_of == flt.replay_of)
+        if flt.user:
+            conditions.append(Run.user_name == storable(flt.user))
         if flt.replays is not None:
             conditions.append(Run.replay_of.is_not(None) if flt.replays else Run.replay_of.is_(None))
         if flt.output_kind is not None:
@@ -285,6 +288,7 @@ class RunQueries(StoreBase):
             Run.ttfp_seconds,
             Run.audio_seconds,
             Run.realtime_factor,
+            Run.user_name.label("owner"),
         )
         with self._read() as session:
             statement = self._filtered(select(*columns), filter, session)

@@ -264,10 +264,12 @@ class RunRecorder:
         fingerprint: str | None,
         request_payload: dict[str, Any],
         replay_of: str | None = None,
+        user: str | None = None,
     ) -> RunTracker:
         """Record a new queued run for ``resolved`` and return its tracker (its id is the request id).
 
-        ``replay_of``: the run this one replays (``omni-studio replay``, docs/replay.md).
+        ``replay_of``: the run this one replays (``omni-studio replay``, docs/replay.md); ``user``: the
+        account it belongs to (docs/team.md).
         """
         if source not in RUN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
@@ -288,6 +290,8 @@ class RunRecorder:
             "created_at": created,
             "replay_of": replay_of,
         }
+        if user is not None:  # absent otherwise: journals written before accounts replay as they were
+            values["user_name"] = user
         self.submit_write(f"create run {run_id}", "create_run", run_id, values)
         image = resolved.request.image
         if image is not None:

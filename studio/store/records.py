@@ -93,6 +93,7 @@ class RunSummary:
     realtime_factor: float | None = None
     audio_count: int = 0  # audio outputs
     audio_sha256: str | None = None  # the first audio output, for players in lists
+    owner: str | None = None  # the account the run belongs to (docs/team.md); None without accounts
 
     @property
     def seconds(self) -> float | None:
@@ -135,6 +136,7 @@ class RunDetail:
     ttfp_seconds: float | None = None  # submitted -> the first audio its caller received
     audio_seconds: float | None = None  # audio made, every variant
     realtime_factor: float | None = None  # generation seconds / audio seconds
+    owner: str | None = None  # the account the run belongs to (docs/team.md); None without accounts
 
     @property
     def seconds(self) -> float | None:
@@ -168,6 +170,7 @@ class RunFilter:
     ``replay_of`` keeps the replays of one run; ``replays`` True keeps only replays, False only the runs
     that replay nothing (docs/replay.md). ``output_kind`` keeps the runs with at least one output of that
     kind (``audio``: the runs that spoke; one of ``models.OUTPUT_KINDS``) or of any of several.
+    ``user`` keeps one account's runs (docs/team.md).
     """
 
     search: str | None = None
@@ -181,6 +184,7 @@ class RunFilter:
     replay_of: str | None = None
     replays: bool | None = None
     output_kind: str | Sequence[str] | None = None
+    user: str | None = None
 
 
 @dataclass(frozen=True)

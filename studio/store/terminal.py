@@ -67,11 +67,13 @@ def format_run_table(runs: Sequence[RunSummary], total: int) -> str:
     if not runs:
         return "no runs recorded yet" if total == 0 else f"no runs on this page ({total} match)"
     spoken = any(r.audio_seconds is not None for r in runs)
+    owned = any(r.owner for r in runs)  # a studio with accounts (docs/team.md): whose run it is
     rows = [
         (
             r.id[:SHORT_ID],
             local_time(r.created_at),
             r.source,
+            *((r.owner or "-",) if owned else ()),
             r.status,
             r.model,
             seconds(r.seconds),
@@ -81,7 +83,7 @@ def format_run_table(runs: Sequence[RunSummary], total: int) -> str:
         )
         for r in runs
     ]
-    headers = ("ID", "CREATED", "SOURCE", "STATUS", "MODEL", "TIME", "IMAGES")
+    headers = ("ID", "CREATED", "SOURCE", *(("OWNER",) if owned else ()), "STATUS", "MODEL", "TIME", "IMAGES")
     body = table((*headers, *(AUDIO_HEADERS if spoken else ()), "PROMPT"), rows)
     return f"{body}\n{len(runs)} of {total} run{'s' if total != 1 else ''}"
 

@@ -68,12 +68,14 @@ class RunWrites(RunQueries):
         created_at: datetime | float | None = None,
         owner: str | None = None,
         replay_of: str | None = None,
+        user_name: str | None = None,
     ) -> str:
         """Record a new run and return its id (``run_id`` when given, else a fresh uuid hex).
 
         ``config`` is the pipeline config's ``to_dict()``; it is snapshotted once per hash. ``owner`` is the
         store instance recording the run (this one by default; a journal replay passes the journal's).
         ``replay_of`` is the id of the run this one replays (``omni-studio replay``, docs/replay.md).
+        ``user_name`` is the account the run belongs to (docs/team.md); ``None`` without accounts.
         """
         if source not in RUN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
@@ -96,6 +98,7 @@ class RunWrites(RunQueries):
             "fingerprint": fingerprint,
             "owner": owner or self.owner,
             "replay_of": replay_of,
+            "user_name": user_name,
         }
         with self._write() as connection:
             if config is not None and config_hash is not None:  # the hash is computed above
