@@ -5,8 +5,10 @@ as the one-shot model runs it. The DiT integrates an ODE (Runge-Kutta 4, ``num_i
 points, classifier-free guidance ``guidance_scale``) from noise to a mel spectrogram conditioned on the
 codes and the voice (``spk_dict.pt``: speaker embedding and reference mel); BigVGAN turns the mel into
 samples. The starting noise comes from the RNG stream the talker handed on (``rng_state``), drawn from a
-generator of this stage's own, so nothing here waits on the other stages' RNG lock. Each request is
-rendered alone, as the one-shot model does per sample: batching never changes a sample.
+generator of this stage's own, so nothing here waits on the other stages' RNG lock. A whole render is
+one request alone, as the one-shot model renders each sample; streamed chunks of several requests may
+share a DiT batch, where the running machine's kernels give each window its alone bits
+(engine/pipelines/qwen_omni/dit_batch.py): batching never changes a sample.
 
 With ``chunk_size`` in the deploy config the stage renders while the talker speaks (engine/streaming.py):
 chunk after chunk of ``chunk_size`` codes, each from a window of codes around it (the DiT's attention
@@ -16,7 +18,6 @@ the talker's stream is not known before the talker has finished (docs/speech.md,
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -24,12 +25,11 @@ import torch
 from engine.events import AudioDelta, DiffusionStep
 from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, omni_config, part_state_dict
 from engine.pipelines.qwen_omni.code2wav_streams import ChunkScheduler, StreamRender, speed_of
+from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow
 from engine.request import RequestError
 from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, intra_op_threads_for
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
 from engine.tempo import stretch
-
-SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
 
 
 class Code2WavStage(StageRunner):
@@ -40,6 +40,7 @@ class Code2WavStage(StageRunner):
     sample_rate = SAMPLE_RATE
     consumes_chunks = True  # chunk_size may be set on this stage (engine/streaming.py)
     model: Any = None
+    flow: BatchedFlow
 
     def load(self) -> None:
         from transformers import Qwen2_5OmniToken2WavModel
@@ -48,6 +49,7 @@ class Code2WavStage(StageRunner):
         model = Qwen2_5OmniToken2WavModel._from_config(config)
         model.load_state_dict(part_state_dict(self.model_path, "token2wav."))
         self.model = model.float().to(self.device).eval()  # token2wav runs in float32 (as in the library)
+        self.flow = BatchedFlow(self.model.code2wav_dit_model)
         self.speakers = load_speakers(self.model_path)
         self.loaded = True
 
@@ -164,16 +166,13 @@ class Code2WavStage(StageRunner):
         report: bool = True,
     ) -> torch.Tensor:
         """The DiT's flow from ``start`` (noise) to a mel (1, mels, frames), one DiffusionStep per step
-        when ``report``."""
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-        dit = self.model.code2wav_dit_model
-        steps = int(job.params.get("num_inference_steps") or 10)
-        guidance = float(job.params.get("guidance_scale", 0.5))
-        speaker_rows = speaker.unsqueeze(1).repeat(1, start.shape[1], 1)
+        when ``report``: the library's forward bit for bit, without recomputing what does not change
+        during the ODE (engine/pipelines/qwen_omni/dit_batch.py)."""
+        window = self.window(job, codes, speaker, self.flow.voice(reference, self.guided(job)), start)
+        steps = window.steps
         calls = [0]
 
-        def velocity(time: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        def check() -> None:
             if job.cancelled:
                 raise StageCancelled()
             if report and calls[0] and calls[0] % 4 == 0:  # Runge-Kutta 4: four evaluations per step
@@ -181,21 +180,26 @@ class Code2WavStage(StageRunner):
                     DiffusionStep(job.request_id, job.index, self.stage_id, step=calls[0] // 4, total=steps)
                 )
             calls[0] += 1
-            common = {
-                "hidden_states": state,
-                "speaker_embedding": speaker_rows,
-                "condition_vector": reference,
-                "quantized_code": codes,
-                "time_step": time,
-            }
-            if guidance < 1e-5:
-                return dit(**common, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
-            guided, unguided = torch.chunk(dit(**common, apply_cfg=True), 2, dim=0)
-            return guided + (guided - unguided) * guidance
 
-        times = torch.linspace(0, 1, steps, device=codes.device, dtype=speaker_rows.dtype)
-        times += SWAY_COEFFICIENT * (torch.cos(math.pi / 2 * times) - 1 + times)
-        trajectory = RungeKutta4ODESolver(function=velocity, initial_value=start).integrate(times)
+        mel = self.flow.integrate([window], check)
         if report:
             job.emit(DiffusionStep(job.request_id, job.index, self.stage_id, step=steps, total=steps))
-        return trajectory[-1].permute(0, 2, 1)
+        return mel
+
+    @staticmethod
+    def guided(job: StageJob) -> bool:
+        """Whether the request's DiT uses classifier-free guidance (two rows per window)."""
+        return float(job.params.get("guidance_scale", 0.5)) >= 1e-5
+
+    def window(
+        self,
+        job: StageJob,
+        codes: torch.Tensor,
+        speaker: torch.Tensor,
+        voice: torch.Tensor,
+        start: torch.Tensor,
+    ) -> DiTWindow:
+        """The request's window of ``codes`` from noise ``start`` (its steps and guidance)."""
+        steps = int(job.params.get("num_inference_steps") or 10)
+        guidance = float(job.params.get("guidance_scale", 0.5))
+        return self.flow.window(codes, speaker, voice, start, guidance, steps)

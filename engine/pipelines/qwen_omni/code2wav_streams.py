@@ -2,19 +2,20 @@
 lie (:class:`ChunkPlan`), its noise (:class:`SeededNoise`), one stream rendered chunk by chunk
 (:class:`StreamRender`) and the scheduler that serves many streams at once (:class:`ChunkScheduler`).
 
-Every chunk is rendered alone (batch 1), from its codes, its noise rows and its voice only, so a stream's
-samples are the same whoever else is listening; the scheduler only decides the order: the chunk whose
-listener runs out of audio first goes next (a new stream's first chunk before anything already playing),
-so many listeners share the stage without one waiting for another's whole utterance.
+Every chunk is rendered from its codes, its noise rows and its voice only, and a batch of windows gives
+each its alone bits (checked on the running machine, else rendered one by one), so a stream's samples are
+the same whoever else is listening; the scheduler decides the order: the chunk whose listener runs out of
+audio first goes next (a new stream's first chunk before anything already playing), with the other ready
+chunks of its window's length in the same DiT batch.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ import torch
 
 from engine.config import ResolvedStage
 from engine.events import DiffusionStep, StageStatus
+from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow, batch_holds
 from engine.stages.base import JobDone, StageCancelled, StageJob
 from engine.streaming import CANCEL_POLL_S, CHUNK_FEED_KEY, ChunkFeed
 from engine.tempo import Tempo
@@ -32,6 +34,7 @@ class Code2WavStage(Protocol):
     """What the streams need of code2wav's runner (``engine/pipelines/qwen_omni/code2wav.py``)."""
 
     model: Any
+    flow: BatchedFlow
     stage: ResolvedStage
     device: torch.device
     sample_rate: int
@@ -44,15 +47,16 @@ class Code2WavStage(Protocol):
 
     def conditioning(self, job: StageJob) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def integrate(
+    def guided(self, job: StageJob) -> bool: ...
+
+    def window(
         self,
         job: StageJob,
         codes: torch.Tensor,
         speaker: torch.Tensor,
-        reference: torch.Tensor,
+        voice: torch.Tensor,
         start: torch.Tensor,
-        report: bool = True,
-    ) -> torch.Tensor: ...
+    ) -> DiTWindow: ...
 
     def send(self, job: StageJob, samples: torch.Tensor) -> None: ...
 
@@ -129,14 +133,27 @@ class SeededNoise:
         return self.drawn[:, low:high]
 
 
+@dataclass
+class ChunkWork:
+    """One chunk ready to render: its DiT window and where its samples lie in it."""
+
+    render: StreamRender
+    window: DiTWindow
+    low: int  # the window's first code
+    end: int  # the chunk's end (codes)
+    last: bool  # the utterance's last chunk
+
+
 class StreamRender:
-    """One request's streamed render: :meth:`ready` says whether its next chunk's codes are in, :meth:`step`
-    renders that chunk (one AudioDelta and one DiffusionStep) and says whether the stream is finished."""
+    """One request's streamed render: :meth:`ready` says whether its next chunk's codes are in,
+    :meth:`prepare` builds that chunk's DiT window, :meth:`deliver` turns the window's mel into the
+    chunk's samples (one AudioDelta and one DiffusionStep); :meth:`step` does all three alone."""
 
     def __init__(self, stage: Code2WavStage, job: StageJob, feed: ChunkFeed) -> None:
         self.stage, self.job, self.feed = stage, job, feed
         self.plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
-        self.speaker, self.reference = stage.conditioning(job)  # RequestError for a voice it lacks
+        self.speaker, reference = stage.conditioning(job)  # RequestError for a voice it lacks
+        self.voice = stage.flow.voice(reference, stage.guided(job))  # the speaker encoder, once
         self.noise = SeededNoise(int(job.params["seed"]), stage.model.code2wav_dit_model.mel_dim)
         speed = speed_of(job)
         self.tempo = Tempo(speed) if speed != 1.0 else None
@@ -157,46 +174,57 @@ class StreamRender:
             return self.arrived
         return self.first_sound + self.seconds_out
 
-    def step(self) -> bool:
-        """Render the next chunk (call when :meth:`ready`); True when the stream is finished."""
+    def check(self) -> None:
+        if self.job.cancelled:
+            raise StageCancelled()
+
+    def prepare(self) -> ChunkWork | None:
+        """The next chunk's window (call when :meth:`ready`), or None when every code is rendered (the
+        stream is then finished: its last samples are sent)."""
         stage, job, plan = self.stage, self.job, self.plan
         inputs, final = self.feed.snapshot()
         codes = torch.as_tensor(inputs.get("codes", torch.zeros(0, dtype=torch.long))).reshape(1, -1)
         total = int(codes.shape[1])
         if self.start >= total:  # final: every code is rendered
             self.finish()
-            return True
+            return None
         low, high = plan.window(self.start, total if final else None)
         end = min(self.start + plan.chunk, total)
-        mel = stage.integrate(
-            job,
-            codes[:, low:high].to(stage.device),
-            self.speaker,
-            self.reference,
-            self.noise.frames(low * plan.repeats, high * plan.repeats).to(stage.device),
-            report=False,
-        )
+        noise = self.noise.frames(low * plan.repeats, high * plan.repeats).to(stage.device)
+        window = stage.window(job, codes[:, low:high].to(stage.device), self.speaker, self.voice, noise)
+        return ChunkWork(self, window, low, end, final and end >= total)
+
+    def deliver(self, work: ChunkWork, mel: torch.Tensor) -> bool:
+        """The chunk's samples from its window's ``mel`` (1, mels, frames), sent; True when the stream is
+        finished."""
+        stage, job, plan = self.stage, self.job, self.plan
         wave = stage.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
         per_code = plan.repeats * plan.hop
-        samples = wave[(self.start - low) * per_code : (end - low) * per_code].clone()
+        samples = wave[(self.start - work.low) * per_code : (work.end - work.low) * per_code].clone()
         if self.tempo is not None:
             samples = torch.from_numpy(self.tempo.push(samples.numpy()))
         self.send(samples)
         self.rendered += 1
-        last = final and end >= total
         job.emit(
             DiffusionStep(
                 job.request_id,
                 job.index,
                 stage.stage_id,
                 step=self.rendered,
-                total=self.rendered if last else 0,
+                total=self.rendered if work.last else 0,
             )
         )
-        self.start = end
-        if last:
+        self.start = work.end
+        if work.last:
             self.finish()
-        return last
+        return work.last
+
+    def step(self) -> bool:
+        """Render the next chunk alone (call when :meth:`ready`); True when the stream is finished."""
+        work = self.prepare()
+        if work is None:
+            return True
+        return self.deliver(work, self.stage.flow.integrate([work.window], self.check))
 
     def finish(self) -> None:
         if self.tempo is not None:  # the stretcher's last samples (for an empty utterance: none)
@@ -212,14 +240,22 @@ class StreamRender:
         self.stage.send(self.job, samples)
 
 
+Stream = tuple[StreamRender, JobDone]
+
+
 class ChunkScheduler:
-    """One thread that renders the chunks of every stream in flight, one chunk at a time, the most urgent
-    ready chunk first (earliest :meth:`StreamRender.deadline`; arrival order breaks ties). A stream joins
-    as soon as the stage worker hands it over and leaves when finished, failed or cancelled; a failure is
-    its own (the others go on)."""
+    """One thread that renders the chunks of every stream in flight, the most urgent ready chunk first
+    (earliest :meth:`StreamRender.deadline`; arrival order breaks ties), together with the other ready
+    chunks whose windows have its length (one DiT batch, :class:`~engine.pipelines.qwen_omni.dit_batch.
+    BatchedFlow`, where :func:`batch_holds` finds that a batch gives each window its alone bits on this
+    machine; else one after another). A stream joins as soon as the stage worker hands it over and leaves
+    when finished, failed or cancelled; a failure is its own (the others go on)."""
 
     def __init__(self, stage: Code2WavStage) -> None:
         self.stage = stage
+        self.max_batch = int(stage.stage.engine_args.max_num_seqs or 1)
+        self.batching: dict[tuple[int, bool], bool] = {}  # (frames, guided) -> batch_holds, on this thread
+        self.batch_sizes: Counter[int] = Counter()  # DiT batches rendered, by windows per batch
         self._inbox: queue.SimpleQueue[tuple[StageJob, JobDone] | None] = queue.SimpleQueue()
         self._wake = threading.Event()  # set by a feed's publication or close, and by a new arrival
         self._thread = threading.Thread(
@@ -240,7 +276,7 @@ class ChunkScheduler:
         threads = self.stage.intra_op_threads
         if threads is not None:
             torch.set_num_threads(threads)  # this thread's setting only
-        streams: dict[int, tuple[StreamRender, JobDone]] = {}
+        streams: dict[int, Stream] = {}
         order = 0  # arrival order, the tie-break
         arrival: dict[int, int] = {}
         with torch.inference_mode():
@@ -265,29 +301,75 @@ class ChunkScheduler:
                         del streams[key]
                         done(StageStatus.CANCELLED, None)
                 self._wake.clear()  # a publication from here on wakes the wait below
-                due = [
+                due = sorted(
                     (render.deadline(), arrival[key], key)
                     for key, (render, _) in streams.items()
                     if render.ready(*render.feed.snapshot())
-                ]
+                )
                 if not due:
                     self._wake.wait(CANCEL_POLL_S)
                     continue
-                _, _, key = heapq.nsmallest(1, due)[0]
-                render, done = streams[key]
-                try:
-                    finished = render.step()
-                except StageCancelled:
-                    del streams[key]
-                    done(StageStatus.CANCELLED, None)
-                    continue
-                except Exception as exc:  # this stream fails; the others go on
-                    del streams[key]
-                    done(StageStatus.FAILED, exc)
-                    continue
-                if finished:
-                    del streams[key]
-                    done(StageStatus.SUCCEEDED, None)
+                self._render([key for _, _, key in due], streams)
+
+    def _render(self, due: list[int], streams: dict[int, Stream]) -> None:
+        """Render the most urgent ready chunk (``due[0]``) and, in one batch with it, the other ready
+        chunks whose windows match it (up to ``max_num_seqs``)."""
+        works: list[tuple[int, ChunkWork]] = []
+        for key in due:
+            render, done = streams[key]
+            try:
+                work = render.prepare()
+            except Exception as exc:  # this stream fails; the others go on
+                self._end(key, streams, exc)
+                continue
+            if work is None:  # finished
+                self._end(key, streams, None)
+                continue
+            if works and (work.window.key != works[0][1].window.key or not self._batches(work)):
+                continue  # prepared again next time: preparing has no effect on the stream
+            works.append((key, work))
+            if len(works) == self.max_batch:
+                break
+        if not works:
+            return
+        self.batch_sizes[len(works)] += 1
+        try:
+            mels = self.stage.flow.integrate([work.window for _, work in works])
+        except Exception:  # rendered alone, so a failure is the stream's own
+            mels = None
+        for row, (key, work) in enumerate(works):
+            render, _ = streams[key]
+            try:
+                render.check()  # a stream cancelled during the batch sends nothing more
+                mel = (
+                    mels[row : row + 1]
+                    if mels is not None
+                    else self.stage.flow.integrate([work.window], render.check)
+                )
+                finished = render.deliver(work, mel)
+            except Exception as exc:
+                self._end(key, streams, exc)
+                continue
+            if finished:
+                self._end(key, streams, None)
+
+    def _batches(self, work: ChunkWork) -> bool:
+        """Whether windows of this one's length may share a DiT batch on this machine (checked once)."""
+        window = work.window
+        key = (window.frames, window.cfg)
+        if key not in self.batching:
+            self.batching[key] = batch_holds(self.stage.flow, window.frames, window.cfg, self.max_batch)
+        return self.batching[key]
+
+    @staticmethod
+    def _end(key: int, streams: dict[int, Stream], error: Exception | None) -> None:
+        _, done = streams.pop(key)
+        if error is None:
+            done(StageStatus.SUCCEEDED, None)
+        elif isinstance(error, StageCancelled):
+            done(StageStatus.CANCELLED, None)
+        else:
+            done(StageStatus.FAILED, error)
 
     def _admit(self, job: StageJob, done: JobDone) -> StreamRender | None:
         try:

@@ -1,0 +1,256 @@
+"""code2wav's DiT over a batch of windows, each row with the bits it gets alone (docs/speech.md, "Many
+listeners").
+
+transformers' ``Qwen2_5OmniToken2WavDiTModel.forward`` recomputes, at every one of an ODE's evaluations,
+what does not change during it: the speaker encoder (an ECAPA-TDNN over the voice's reference mel), the
+codes' embeddings, the rotary tables and the block masks. And some of its products see the batch's row
+count where a window alone sees two rows (the time embedding and every layer's modulation, functions of
+the ODE's time only), so a window's bits in a batch would not be its bits alone. :class:`BatchedFlow` runs
+the same modules op for op, but:
+
+- what depends on the window only (:class:`DiTWindow`: ECAPA, code embeddings, speaker rows) is computed
+  once per chunk, alone;
+- what depends on the time only (time embedding, the layers' shift/scale/gate) is computed once per
+  evaluation on the two rows (one without guidance) a window alone uses, and its rows are handed to every
+  window;
+- the rest (the input projection, attention, the MLPs: products over ``rows x frames``, norms,
+  element-wise) runs once for all windows of one length. Those products see another row count in a batch,
+  so :func:`batch_holds` checks on the running machine (its thread, its kernels) that a batch gives every
+  window its alone bits before the scheduler batches windows of that length; where it does not, each
+  window is integrated alone.
+
+Alone (one window), the result is the library's forward bit for bit (tested), so a whole render through it
+still equals the one-shot ``generate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
+
+
+def time_points(steps: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ODE's time grid: ``steps`` points from 0 to 1, swayed toward the start as token2wav does."""
+    times = torch.linspace(0, 1, steps, device=device, dtype=dtype)
+    times += SWAY_COEFFICIENT * (torch.cos(math.pi / 2 * times) - 1 + times)
+    return times
+
+
+@dataclass
+class DiTWindow:
+    """One chunk's window, ready for the flow: its starting noise and what conditions it (constant over the
+    ODE). ``cfg``: classifier-free guidance (two rows: conditioned and unconditioned)."""
+
+    start: torch.Tensor  # (1, frames, mels) noise
+    condition: torch.Tensor  # (rows, frames, enc + emb + spk) what the input projection reads besides x
+    guidance: float
+    steps: int
+    cfg: bool
+
+    @property
+    def frames(self) -> int:
+        return int(self.start.shape[1])
+
+    @property
+    def key(self) -> tuple[int, int, float, bool]:
+        """Windows with equal keys can share a batch (same length, time grid and guidance)."""
+        return (self.frames, self.steps, self.guidance, self.cfg)
+
+
+class BatchedFlow:
+    """The DiT's flow from noise to mel for several windows at once (module docstring)."""
+
+    def __init__(self, dit: Any) -> None:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+        self.dit = dit
+        self._solver = RungeKutta4ODESolver
+        self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._masks: dict[int, list[torch.Tensor]] = {}
+
+    # -- per window ---------------------------------------------------------------------------------------
+    def voice(self, reference: torch.Tensor, cfg: bool) -> torch.Tensor:
+        """The speaker encoder's output for a voice's reference mel: (2, enc) with guidance (the
+        reference, then silence), else (1, enc); computed as a window alone computes it."""
+        rows = torch.cat([reference, torch.zeros_like(reference)], dim=0) if cfg else reference
+        return self.dit.input_embed.spk_encoder(rows)
+
+    def window(
+        self,
+        codes: torch.Tensor,
+        speaker: torch.Tensor,
+        voice: torch.Tensor,
+        start: torch.Tensor,
+        guidance: float,
+        steps: int,
+    ) -> DiTWindow:
+        """A window of ``codes`` (1, n) from noise ``start`` (1, n * repeats, mels) for the speaker
+        embedding ``speaker`` (1, E) and its :meth:`voice` output ``voice``."""
+        dit = self.dit
+        cfg = guidance >= 1e-5
+        frames = int(start.shape[1])
+        speaker_rows = speaker.unsqueeze(1).repeat(1, frames, 1)
+        code_rows = dit.text_embed(codes, drop_code=False)
+        if cfg:
+            speaker_rows = torch.cat([speaker_rows, torch.zeros_like(speaker_rows)], dim=0)
+            code_rows = torch.cat([code_rows, dit.text_embed(codes, drop_code=True)], dim=0)
+        voice_rows = voice.unsqueeze(1).repeat(1, frames, 1)
+        condition = torch.cat((voice_rows, code_rows, speaker_rows), dim=-1)
+        return DiTWindow(start, condition, float(guidance), int(steps), cfg)
+
+    # -- per length / per time --------------------------------------------------------------------------
+    def _rotary_for(self, frames: int, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (frames, rows)
+        if key not in self._rotary:
+            positions = torch.arange(frames, device=like.device)[None, :].repeat(rows, 1)
+            self._rotary[key] = self.dit.rotary_embed(like[:rows], positions)
+        return self._rotary[key]
+
+    def _masks_for(self, frames: int, like: torch.Tensor) -> list[torch.Tensor]:
+        if frames not in self._masks:
+            difference = self.dit._create_block_diff(like[:1])  # (1, heads, frames, frames), expanded
+            self._masks[frames] = [
+                (difference >= -float(layer.look_backward_block))
+                & (difference <= float(layer.look_ahead_block))
+                for layer in self.dit.transformer_blocks
+            ]
+        return self._masks[frames]
+
+    def _time_rows(
+        self, time: torch.Tensor, per_window: int
+    ) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[torch.Tensor]]:
+        """The time embedding and the layers' modulations on ``per_window`` rows (as a window alone)."""
+        dit = self.dit
+        embedding = dit.time_embed(time.repeat(per_window))
+        layers = []
+        for layer in dit.transformer_blocks:
+            norm = layer.attn_norm
+            layers.append(list(torch.chunk(norm.linear(norm.silu(embedding)), 6, dim=1)))
+        final = dit.norm_out
+        scale, shift = torch.chunk(final.linear(final.silu(embedding)), 2, dim=1)
+        return embedding, layers, [scale, shift]
+
+    # -- the flow -----------------------------------------------------------------------------------------
+    def forward(
+        self, time: torch.Tensor, state: torch.Tensor, condition: torch.Tensor, cfg: bool
+    ) -> torch.Tensor:
+        """The DiT's output for ``state`` (windows, frames, mels) at ``time`` (a 0-d tensor):
+        (rows, frames, mels), the conditioned rows of every window, then (with ``cfg``) their
+        unconditioned rows, as ``dit(..., apply_cfg=cfg)`` orders them."""
+        dit = self.dit
+        windows, frames = int(state.shape[0]), int(state.shape[1])
+        per_window = 2 if cfg else 1
+        # Row r of the batch is row r // windows of a window alone (its conditioned or unconditioned row).
+        alone_row = torch.arange(per_window, device=state.device).repeat_interleave(windows)
+        _, layers, (scale, shift) = self._time_rows(time, per_window)
+        x = torch.cat([state, state], dim=0) if cfg else state
+        hidden = dit.input_embed.proj(torch.cat((x, condition), dim=-1))
+        cos, sin = self._rotary_for(frames, per_window, hidden)
+        position = (cos[alone_row], sin[alone_row])
+        masks = self._masks_for(frames, hidden)
+        rows = int(hidden.shape[0])
+        for layer, mods, mask in zip(dit.transformer_blocks, layers, masks, strict=True):
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m[alone_row] for m in mods)
+            norm = layer.attn_norm.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+            attention = layer.attn(
+                hidden_states=norm,
+                position_embeddings=position,
+                attention_mask=mask.expand(rows, -1, -1, -1),
+            )
+            hidden = hidden + gate_msa.unsqueeze(1) * attention
+            norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+            hidden = hidden + gate_mlp.unsqueeze(1) * layer.ff(norm)
+        final = dit.norm_out
+        hidden = final.norm(hidden) * (1 + scale[alone_row])[:, None, :] + shift[alone_row][:, None, :]
+        return dit.proj_out(hidden)
+
+    def velocity(
+        self, windows: Sequence[DiTWindow], check: Callable[[], None] | None = None
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The ODE's right-hand side for ``windows`` (equal :attr:`DiTWindow.key`); ``check`` runs before
+        every evaluation (a cancel check)."""
+        first = windows[0]
+        cfg, guidance = first.cfg, first.guidance
+        count = len(windows)
+        if cfg:
+            condition = torch.cat(
+                [w.condition[:1] for w in windows] + [w.condition[1:2] for w in windows], dim=0
+            )
+        else:
+            condition = torch.cat([w.condition for w in windows], dim=0)
+
+        def velocity(time: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+            if check is not None:
+                check()
+            out = self.forward(time, state, condition, cfg)
+            if not cfg:
+                return out
+            guided, unguided = out[:count], out[count:]
+            return guided + (guided - unguided) * guidance
+
+        return velocity
+
+    def integrate(
+        self, windows: Sequence[DiTWindow], check: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        """The mels (windows, mels, frames) of ``windows`` (equal :attr:`DiTWindow.key`)."""
+        keys = {w.key for w in windows}
+        if len(keys) != 1:
+            raise ValueError(
+                f"windows of one batch must share frames, steps and guidance; got {sorted(keys)}"
+            )
+        first = windows[0]
+        start = torch.cat([w.start for w in windows], dim=0)
+        times = time_points(first.steps, start.dtype, start.device)
+        solver = self._solver(function=self.velocity(windows, check), initial_value=start)
+        return solver.integrate(times)[-1].permute(0, 2, 1)
+
+
+def batch_holds(flow: BatchedFlow, frames: int, cfg: bool, max_batch: int, seed: int = 0) -> bool:
+    """Whether, on the running thread's kernels, a batch of up to ``max_batch`` windows of ``frames`` mel
+    frames gives each window the bits of one DiT evaluation alone, at every position, among random others.
+
+    Random windows (codes, noise, speaker, reference, time); each batch size from 2 up is tried with the
+    windows rotated, so every window sits at several positions."""
+    dit = flow.dit
+    generator = torch.Generator().manual_seed(seed)
+    config = dit.config
+    parameter = next(dit.parameters())
+    device, dtype = parameter.device, parameter.dtype
+    repeats = int(dit.repeats)
+    codes_per_window = max(1, frames // repeats)
+    guidance = 0.5 if cfg else 0.0
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device, dtype)
+
+    windows = []
+    for _ in range(max_batch):
+        codes = torch.randint(0, int(config.num_embeds), (1, codes_per_window), generator=generator).to(
+            device
+        )
+        reference = random(1, 24, int(config.mel_dim))
+        speaker = random(1, int(config.enc_emb_dim))
+        voice = flow.voice(reference, cfg)
+        windows.append(
+            flow.window(
+                codes, speaker, voice, random(1, codes_per_window * repeats, int(config.mel_dim)), guidance, 2
+            )
+        )
+    time = torch.rand((), generator=generator).to(device, dtype)
+    alone = [flow.velocity([w])(time, w.start) for w in windows]
+    for size in range(2, max_batch + 1):
+        order = [(size + i) % max_batch for i in range(size)]
+        batch = [windows[i] for i in order]
+        state = torch.cat([w.start for w in batch], dim=0)
+        out = flow.velocity(batch)(time, state)
+        for row, index in enumerate(order):
+            if not torch.equal(out[row : row + 1], alone[index]):
+                return False
+    return True

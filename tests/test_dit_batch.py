@@ -1,0 +1,194 @@
+"""code2wav's DiT over a batch of windows (engine/pipelines/qwen_omni/dit_batch.py, docs/speech.md "Many
+listeners"): alone it is the library's forward bit for bit; batched, every window keeps its alone bits
+where the running machine's check says so, and the check catches a batch that does not."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from engine import GenerationParams, GenerationRequest
+from engine.engine import OmniEngine, build_engine
+from engine.modality import OutputAccumulator, OutputModality
+from engine.pipelines.qwen_omni import code2wav_streams
+from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, batch_holds
+from engine.stages.base import StageJob
+from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
+from tests.conftest import tiny_deploy
+
+CHUNK = 12
+DEADLINE_S = 300  # bounds a hang only
+
+
+@pytest.fixture(scope="module")
+def engine(session_data_dir) -> Iterator[OmniEngine]:
+    built = build_engine(
+        "tiny-qwen-omni",
+        tiny_deploy("tiny-qwen-omni", stage2={"chunk_size": CHUNK}),
+        data_dir=session_data_dir,
+    )
+    yield built
+    built.close()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # code2wav's intra-op threads: the kernels it runs
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _voice(engine: OmniEngine, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    speaker = engine.runners[2].speakers[name]
+    return speaker["cond"].float(), speaker["ref_mel"].float()
+
+
+def _windows(engine: OmniEngine, count: int, codes: int, guidance: float = 0.5, steps: int = 4):
+    flow: BatchedFlow = engine.runners[2].flow
+    generator = torch.Generator().manual_seed(7)
+    windows = []
+    for i in range(count):
+        speaker, reference = _voice(engine, "Ethan" if i % 2 else "Chelsie")
+        ids = torch.randint(0, 100, (1, codes), generator=generator)
+        noise = torch.randn((1, codes * 2, 80), generator=generator)
+        voice = flow.voice(reference, guidance >= 1e-5)
+        windows.append(flow.window(ids, speaker, voice, noise, guidance, steps))
+    return flow, windows
+
+
+@pytest.mark.parametrize("guidance", [0.5, 0.0])
+def test_a_window_alone_is_the_library_forward_bit_for_bit(engine, one_thread, guidance):
+    flow, (window,) = _windows(engine, 1, 36, guidance)
+    dit = flow.dit
+    speaker, reference = _voice(engine, "Chelsie")
+    generator = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 100, (1, 36), generator=generator)
+    state = window.start
+    time = torch.tensor(0.37)
+    common = {
+        "hidden_states": state,
+        "speaker_embedding": speaker.unsqueeze(1).repeat(1, state.shape[1], 1),
+        "condition_vector": reference,
+        "quantized_code": codes,
+        "time_step": time,
+    }
+    if guidance:
+        guided, unguided = torch.chunk(dit(**common, apply_cfg=True), 2, dim=0)
+        library = guided + (guided - unguided) * guidance
+    else:
+        library = dit(**common, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
+    assert torch.equal(flow.velocity([window])(time, state), library)
+
+
+def test_a_batch_gives_every_window_its_alone_mel_where_the_check_holds(engine, one_thread):
+    flow, windows = _windows(engine, 4, 36)
+    holds = batch_holds(flow, 72, True, 8)
+    alone = [flow.integrate([w]) for w in windows]
+    together = flow.integrate(windows)
+    same = [torch.equal(together[i : i + 1], alone[i]) for i in range(4)]
+    if holds:  # the check's verdict is what the scheduler relies on
+        assert all(same), same
+    # Batched or not, the mel is the same to float rounding.
+    assert max(float((together[i : i + 1] - alone[i]).abs().max()) for i in range(4)) < 1e-4
+
+
+def test_the_check_refuses_a_batch_that_changes_a_window(engine, one_thread, monkeypatch):
+    flow = BatchedFlow(engine.runners[2].flow.dit)
+    original = flow.forward
+
+    def drifting(time, state, condition, cfg):  # a kernel whose bits depend on the row count
+        out = original(time, state, condition, cfg)
+        return out + (state.shape[0] - 1) * 1e-7
+
+    monkeypatch.setattr(flow, "forward", drifting)
+    assert not batch_holds(flow, 48, True, 4)
+
+
+def _submit_streams(engine: OmniEngine, count: int) -> list[StageJob]:
+    """``count`` code2wav streams, every code known, handed to the stage at once."""
+    runner = engine.runners[2]
+    generator = torch.Generator().manual_seed(3)
+    jobs: list[StageJob] = []
+    finished: dict[int, threading.Event] = {}
+    for i in range(count):
+        codes = torch.randint(0, 100, (1, 3 * CHUNK + 5), generator=generator)
+        feed = ChunkFeed()
+        feed.publish({"codes": codes}, final=True)
+        resolved = engine.resolve(GenerationRequest("say hello", GenerationParams(seed=40 + i)))
+        params = {**resolved.stage_params[2], "seed": 40 + i, "voice": "Ethan" if i % 2 else "Chelsie"}
+        job = StageJob(
+            "batch",
+            i,
+            {CHUNK_FEED_KEY: feed},
+            params,
+            lambda event: None,
+            OutputAccumulator((OutputModality.AUDIO,)),
+        )
+        jobs.append(job)
+    for job in jobs:
+        finished[job.index] = threading.Event()
+        runner.submit(job, lambda status, error, index=job.index: finished[index].set())
+    assert all(event.wait(DEADLINE_S) for event in finished.values())
+    return jobs
+
+
+def _alone(engine: OmniEngine, job: StageJob) -> np.ndarray:
+    runner = engine.runners[2]
+    feed = ChunkFeed()
+    feed.publish(job.inputs[CHUNK_FEED_KEY].snapshot()[0], final=True)
+    alone = StageJob(
+        "alone",
+        0,
+        {CHUNK_FEED_KEY: feed},
+        dict(job.params),
+        lambda event: None,
+        OutputAccumulator((OutputModality.AUDIO,)),
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(runner.intra_op_threads or before)  # the stage's: the same kernels
+    try:
+        with torch.inference_mode():
+            runner.stream(alone, feed)
+    finally:
+        torch.set_num_threads(before)
+    return alone.deliver_outputs()["audio"].numpy()
+
+
+def _scheduler(engine: OmniEngine) -> code2wav_streams.ChunkScheduler:
+    scheduler = engine.runners[2]._scheduler
+    assert scheduler is not None
+    return scheduler
+
+
+def test_eight_streams_share_dit_batches_and_each_keeps_its_alone_samples(engine):
+    runner = engine.runners[2]
+    if runner._scheduler is not None:
+        runner._scheduler.batch_sizes.clear()
+    jobs = _submit_streams(engine, 8)
+    scheduler = _scheduler(engine)
+    if any(scheduler.batching.values()):  # this machine's kernels hold: the chunks were batched
+        assert max(scheduler.batch_sizes) > 1, scheduler.batch_sizes
+    for job in jobs:
+        assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
+
+
+def test_where_the_check_fails_the_chunks_render_alone_with_the_same_samples(engine, monkeypatch):
+    monkeypatch.setattr(code2wav_streams, "batch_holds", lambda *args, **kwargs: False)
+    runner = engine.runners[2]
+    if runner._scheduler is not None:
+        runner._scheduler.batching.clear()
+        runner._scheduler.batch_sizes.clear()
+    jobs = _submit_streams(engine, 4)
+    scheduler = _scheduler(engine)
+    assert set(scheduler.batch_sizes) == {1} and not any(scheduler.batching.values())
+    for job in jobs:
+        assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
+    scheduler.batching.clear()  # the next test checks again
