@@ -198,9 +198,11 @@ class StreamRender:
         """The chunk's samples from its window's ``mel`` (1, mels, frames), sent; True when the stream is
         finished."""
         stage, job, plan = self.stage, self.job, self.plan
-        wave = stage.model.code2wav_bigvgan_model(mel).reshape(-1).float().cpu()
-        per_code = plan.repeats * plan.hop
-        samples = wave[(self.start - work.low) * per_code : (work.end - work.low) * per_code].clone()
+        # The vocoder renders the chunk's frames and its reach either side, not the DiT's whole window.
+        first, last = (self.start - work.low) * plan.repeats, (work.end - work.low) * plan.repeats
+        low, high = max(0, first - VOCODER_REACH_FRAMES), min(int(mel.shape[2]), last + VOCODER_REACH_FRAMES)
+        wave = stage.model.code2wav_bigvgan_model(mel[:, :, low:high]).reshape(-1).float().cpu()
+        samples = wave[(first - low) * plan.hop : (last - low) * plan.hop].clone()
         if self.tempo is not None:
             samples = torch.from_numpy(self.tempo.push(samples.numpy()))
         self.send(samples)
