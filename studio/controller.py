@@ -32,6 +32,9 @@ from engine.models import ModelSource, describe_model
 from engine.paths import DEPLOY_PRESETS_DIR
 from engine.pipelines import UnknownModelFamily
 from engine.tiny import BUILTIN_MODELS
+from studio.accounts.identity import Identity
+from studio.accounts.service import Accounts, identity_of_login
+from studio.accounts.sessions import SessionUsers
 from studio.api.state import ServingState
 from studio.runs.service import Queued, RunRejected, RunService
 from studio.store.files import WAV, OutputFiles
@@ -68,6 +71,7 @@ class ShareInfo:
     password: str | None = None
     api_key_generated: bool = False
     message: str = ""
+    accounts: bool = False  # each user logs in with their own account (docs/team.md)
 
 
 QUEUE_POLL_S = 0.25  # how often a waiting UI run reports its place in the queue
@@ -110,6 +114,7 @@ class Studio:
         )
         self.share = ShareInfo()
         self.admin_user: str | None = None  # the --auth login: may cancel and move anything (Queue tab)
+        self.ui_users = SessionUsers()  # UI session -> the account logged in there (docs/team.md)
         self.base_url = ""
         self._apply_lock = threading.Lock()
 
@@ -306,26 +311,43 @@ class Studio:
             api_key_set=bool(self.api_key),
         )
 
+    # -- who is using the UI (docs/team.md) -----------------------------------------------------
+
+    @property
+    def accounts(self) -> Accounts | None:
+        """The team accounts of the run store (``None`` without a store)."""
+        return self.serving.accounts
+
+    def identity(self, username: str | None) -> Identity:
+        """Who a UI visitor logged in as ``username`` is, and what they may see."""
+        return identity_of_login(self.accounts, username, self.admin_user)
+
     # -- runs from the UI -----------------------------------------------------------------------
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:
         return self.runs.resolve(self.engine, request)
 
     async def run(
-        self, resolved: ResolvedRequest, payload: dict[str, Any], session: str | None = None
+        self,
+        resolved: ResolvedRequest,
+        payload: dict[str, Any],
+        session: str | None = None,
+        user: str | None = None,
     ) -> AsyncGenerator[tuple[str, EngineEvent | Queued], None]:
         """Run a UI request through the engine, recording it; yields (run id, event).
 
         While the request waits in a stage's queue it also yields :class:`Queued` (how many jobs are ahead
         of it) when that changes, checked every ``QUEUE_POLL_S``. ``session`` (the UI session) is held to ``--max-in-flight-per-client``:
-        past it the run is recorded as refused and :class:`RunRejected` raised.
+        past it the run is recorded as refused and :class:`RunRejected` raised. ``user`` (by default the
+        account logged in on ``session``) owns the run, and is the client it counts against (docs/team.md).
         """
         engine = self.engine
+        user = user or self.ui_users.user_of(session)
         tracker = self.runs.start(
-            engine, resolved, self.serving.served_model_name, self.system_fingerprint, payload
+            engine, resolved, self.serving.served_model_name, self.system_fingerprint, payload, user=user
         )
         slots = self.serving.client_slots
-        client = f"ui-session:{session}" if session else None
+        client = f"user:{user}" if user else (f"ui-session:{session}" if session else None)
         if client is not None and not slots.acquire(client):
             raise self.runs.reject(RunRejected("client_limit", slots.message()), tracker)
         stopped = "stopped from the studio"

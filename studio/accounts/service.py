@@ -106,4 +106,18 @@ class Accounts:
         return identity.sees_all or self.rows.run_user(run_id) == identity.name
 
 
-__all__ = ["AccountError", "Accounts", "KeyRecord", "NewKey", "UserRecord"]
+def identity_of_login(accounts: Accounts | None, username: str | None, operator: str | None) -> Identity:
+    """Who a UI visitor is: logged in as ``username`` (``None``: no login), where ``operator`` is the
+    ``--auth`` login (the admin, in a studio with or without accounts)."""
+    team = accounts is not None and accounts.configured()
+    if not team:
+        return Identity(username, admin=bool(username) and username == operator)
+    if username and username == operator:
+        return Identity(None, admin=True, accounts=True)
+    user = accounts.user(username) if accounts is not None and username else None
+    if user is None:
+        return Identity(None, admin=False, accounts=True)  # no login (or a removed user): sees no one's runs
+    return Identity(user.name, user.admin, accounts=True)
+
+
+__all__ = ["AccountError", "Accounts", "KeyRecord", "NewKey", "UserRecord", "identity_of_login"]

@@ -19,6 +19,7 @@ from studio.api.auth import (
     ui_login_configured,
     ui_session_user,
 )
+from studio.api.authentication import accounts_on, check_output_visible
 from studio.api.errors import APIError, from_validation_error
 from studio.api.inputs import check_json_depth, check_json_text, decode_image_bytes
 from studio.api.protocol import (
@@ -278,7 +279,7 @@ async def _audio_speech(request: Request, state: ServingState) -> Response:
 
 async def _outputs(request: Request, state: ServingState) -> Response:
     name = request.path_params["name"]
-    if state.options.api_key:
+    if state.options.api_key or accounts_on(state):
         # The bearer key, or a signed URL (what response_format "url" answers with a key set): a plain GET
         # of that URL works until it expires; tampered, expired or unsigned without the key -> 403.
         if request.headers.get("authorization"):
@@ -299,6 +300,7 @@ async def _outputs(request: Request, state: ServingState) -> Response:
     path = files.path(*served) if served is not None and files is not None else None
     if served is None or path is None or not path.is_file():
         raise APIError(404, f"No output file named {name!r}", "name", "file_not_found")
+    check_output_visible(state, served[0], name)  # another user's file: 404 too (docs/team.md)
     return FileResponse(path, media_type=served[1])
 
 

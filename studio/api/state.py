@@ -17,7 +17,7 @@ from fastapi import Request
 
 from engine import OmniEngine
 from engine.events import EngineEvent, StageFinished
-from studio.api.auth import TooManyFailures, credential_client, limiter_for, secrets_equal
+from studio.api.authentication import accounts_on, authenticate
 from studio.api.errors import APIError
 from studio.api.fingerprint import FingerprintSettings, system_fingerprint
 from studio.api.metrics import APIMetrics
@@ -35,6 +35,7 @@ from studio.startup.limits import InputLimits
 from studio.store.files import OutputFiles
 
 if TYPE_CHECKING:
+    from studio.accounts.service import Accounts
     from studio.jobs.service import JobService
 
 __all__ = ["Handlers", "ServingOptions", "ServingState"]
@@ -84,6 +85,7 @@ class ServingState:
         self.refusals = RefusalRate()  # refusals per client (studio/api/refusals.py)
         self.board = RequestBoard()  # requests in the engine, for the Queue panel (studio/runs/inflight.py)
         self.jobs: JobService | None = None  # batch jobs (studio/jobs/service.py), set once the store is open
+        self.accounts: Accounts | None = None  # team accounts (docs/team.md), set once the store is open
         if engine is not None:
             self.set_engine(engine)
 
@@ -112,7 +114,7 @@ class ServingState:
         """The URL of an output file: signed (``?exp=...&sig=...``) when an API key is set."""
         name = f"{sha}.png"
         url = f"{base}/v1/outputs/{name}"
-        if self.options.api_key:
+        if self.options.api_key or accounts_on(self):
             url += "?" + self.signer.query(name, self.options.output_url_ttl)
         return url
 
@@ -195,23 +197,8 @@ class ServingState:
         return handlers
 
     def check_api_key(self, request: Request) -> None:
-        """401 without the right key (when one is set); 429 for a wrong key that failed too often from
-        this address. Failures count per (address, presented key), so the right key always works at
-        once (studio/api/auth.py, README "The API")."""
-        key = self.options.api_key
-        if not key:
-            return
-        header = request.headers.get("authorization", "")
-        if not header:
-            raise APIError(
-                401, "Missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key"
-            )
-        limiter = limiter_for(self)
-        client = credential_client(request.scope, header)
-        wait = limiter.retry_after(client)
-        if wait is not None:
-            raise TooManyFailures(wait)
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets_equal(token.strip(), key):
-            limiter.record_failure(client)
-            raise APIError(401, "Incorrect API key provided", None, "invalid_api_key")
+        """401 without the right key (when one is set, or the studio has accounts: a user's own key);
+        429 for a wrong key that failed too often from this address. Failures count per (address,
+        presented key), so the right key always works at once (studio/api/authentication.py, README
+        "The API", docs/team.md)."""
+        authenticate(self, request)

@@ -13,6 +13,7 @@ import uuid
 import soundfile  # type: ignore[import-untyped]  # ships no type information
 from PIL import Image
 
+from studio.accounts.identity import user_of_owner
 from studio.jobs.grid import compose_grid, grid_layout
 from studio.jobs.spec import JobSpec
 from studio.media.audio import waveform_png
@@ -70,6 +71,7 @@ def record_grid(
                     "rows": grid.height,
                 },
                 run_id=grid_run,
+                user_name=user_of_owner(job.owner),  # the job's account's, as its cells (docs/team.md)
             )
             store.add_output_file(grid_run, 0, sha, PNG, grid.width, grid.height, "image", len(data))
             store.finish_run(grid_run, "succeeded")

@@ -38,6 +38,7 @@ from engine.events import RunFailed, RunFinished
 from engine.modality import OutputModality
 from engine.models import ModelNotFound, ModelSource, describe_model
 from engine.paths import DEPLOY_PRESETS_DIR
+from studio.accounts.identity import user_of_owner
 from studio.jobs.grid_run import record_grid
 from studio.jobs.spec import CellParameters, JobCell, JobSpec
 from studio.runs.inflight import RequestBoard
@@ -456,7 +457,10 @@ class JobRunner:
                 job, None, target, str(exc), index=cell.index, payload=payload, engine=engine
             )
             return True
-        tracker = self.runs.start(engine, resolved, model_name, fingerprint, payload)
+        # A job of an account (owner ``user:NAME``, docs/team.md): its cells are that user's runs.
+        tracker = self.runs.start(
+            engine, resolved, model_name, fingerprint, payload, user=user_of_owner(job.owner)
+        )
         with self._lock:
             self._in_flight[run_id] = (job.id, cell.index, engine)
         try:

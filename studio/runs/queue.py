@@ -4,7 +4,9 @@ Rows come from two places: the job queue (``studio/jobs/service.py``: queued and
 and the requests in the engine (``studio/runs/inflight.py``: single requests from the UI, the API and the
 CLI, and the cells of running jobs), each with its source, owner, place and progress. A viewer may
 cancel what they own, and move their jobs up or down; the admin login (``--auth``, or the login
-``--share`` generates) may do so for everything (docs/jobs.md, "The Queue panel"). The UI tab
+``--share`` generates) may do so for everything (docs/jobs.md, "The Queue panel"). In a studio with
+accounts (docs/team.md) a user's requests and jobs are ``user:NAME``'s wherever they came from (the UI, their
+API keys), a user sees only their own rows, and an admin account sees and manages all. The UI tab
 (``studio/ui/queue.py``) only renders this.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from studio.accounts.identity import Identity
 from studio.jobs.service import JobFinished, JobNotFound, JobService
 from studio.runs.inflight import InFlight, RequestBoard
 from studio.store.models import ACTIVE_JOB_STATUSES
@@ -33,25 +36,41 @@ class Viewer:
 
     owners: frozenset[str]
     admin: bool = False
+    sees_all: bool = True  # False: a user of a studio with accounts, who sees only their own rows
 
     @classmethod
-    def of_ui(cls, session: str | None, username: str | None, admin_user: str | None) -> Viewer:
-        """A UI visitor: their browser session, and their login when there is one."""
+    def of_ui(
+        cls,
+        session: str | None,
+        username: str | None,
+        admin_user: str | None,
+        identity: Identity | None = None,
+    ) -> Viewer:
+        """A UI visitor: their browser session, and their login when there is one (``identity``: who that
+        login is in a studio with accounts)."""
         owners = {f"ui-session:{session}"} if session else set()
+        if identity is not None and identity.accounts:
+            if identity.owner:
+                owners.add(identity.owner)
+            return cls(frozenset(owners), admin=identity.admin, sees_all=identity.admin)
         if username:
             owners.add(f"ui:{username}")
         return cls(frozenset(owners), admin=bool(username) and username == admin_user)
 
     @property
     def job_owner(self) -> str | None:
-        """The owner name a job this viewer submits gets (their login, else their session)."""
-        logins = sorted(o for o in self.owners if o.startswith("ui:"))
+        """The owner name a job this viewer submits gets (their account, login, else their session)."""
+        logins = sorted(o for o in self.owners if o.startswith(("ui:", "user:")))
         sessions = sorted(o for o in self.owners if o.startswith("ui-session:"))
         found = logins or sessions
         return found[0] if found else None
 
     def may_change(self, owner: str | None) -> bool:
         return self.admin or (owner is not None and owner in self.owners)
+
+    def sees(self, owner: str | None) -> bool:
+        """Whether this viewer sees a row (a job, a request) of ``owner``."""
+        return self.sees_all or (owner is not None and owner in self.owners)
 
 
 def owner_label(owner: str | None) -> str:
@@ -61,7 +80,7 @@ def owner_label(owner: str | None) -> str:
     kind, _, who = owner.partition(":")
     if kind == "ui-session":
         return f"UI session {who[:6]}"
-    if kind == "ui":
+    if kind in ("ui", "user"):
         return who
     if kind == "api":
         address, _, key = who.partition("|")
@@ -122,6 +141,8 @@ class QueueView:
         if self.jobs is not None:
             positions = self.jobs.positions()
             for job in self.jobs.list_jobs(ACTIVE_JOB_STATUSES, limit=200):
+                if not viewer.sees(job.owner):
+                    continue
                 rows.append(
                     QueueRow(
                         "job",
@@ -137,7 +158,8 @@ class QueueView:
                     )
                 )
         for entry in self.board.snapshot():
-            rows.append(self._request_row(entry, viewer))
+            if viewer.sees(entry.owner):
+                rows.append(self._request_row(entry, viewer))
         return rows
 
     def _request_row(self, entry: InFlight, viewer: Viewer) -> QueueRow:

@@ -19,6 +19,7 @@ from typing import Any, Protocol, cast
 from engine import GenerationRequest, OmniEngine, RequestError, ResolvedRequest
 from engine.engine import EngineBusy, EngineClosed
 from engine.events import EngineEvent, RunFailed, RunFinished
+from studio.accounts.identity import current_user
 from studio.media.images import png_bytes
 from studio.recipes.recipe import RecipeStamper, RunRecipe
 from studio.runs.inflight import RequestBoard, output_of
@@ -173,12 +174,21 @@ class RunService:
         engine.check_context(resolved)  # a prompt past the model's context never reaches the queue
         return resolved
 
+    @staticmethod
+    def client_of(client: str | None) -> str | None:
+        """Who a request counts against (its in-flight limit, the fair queue): the account the current API
+        request acts as (``user:NAME``: one client however many keys and addresses it uses, docs/team.md),
+        else ``client`` (an address and key, a UI session)."""
+        user = current_user()
+        return f"user:{user}" if user is not None and client is not None else client
+
     def admission_problem(self, engine: OmniEngine, client: str | None) -> RunRejected | None:
         """Why a run of ``client`` would be refused now (the client's limit, a full queue), or ``None``.
 
         A streamed response checks this before its headers go out, so the refusal is a 429, not an
         error chunk; the run itself still enforces both.
         """
+        client = self.client_of(client)
         if client is not None and self.slots is not None and self.slots.full(client):
             return RunRejected("client_limit", self.slots.message())
         if engine.in_flight >= engine.max_pending:
@@ -195,18 +205,31 @@ class RunService:
         fingerprint: str | None,
         payload: dict[str, Any],
         replay_of: str | None = None,
+        user: str | None = None,
     ) -> RunTracking:
         """Record a new queued run for ``resolved`` (its id is the request id) and return its tracker.
 
         ``replay_of``: the recorded run this one replays (``studio/replay/replayer.py``); the store links them.
+        ``user``: the account the run belongs to (docs/team.md); by default the account the current API
+        request authenticated as (``studio/api/authentication.py``), if any.
         The tracker writes the run's recipe into each output image before anyone encodes it, so every PNG
         of the run (response, UI, CLI file, run store) carries it (studio/recipes/recipe.py, docs/recipes.md).
         """
         recipe = RunRecipe.of(resolved, engine.config, fingerprint)  # before the recorder: see RunRecipe.of
         if self.recorder is None:
             return RecipeStamper(NoTracking(), recipe)
+        user = user if user is not None else current_user()
+        # Only with an account: recorders that predate accounts (and test doubles) take no ``user``.
+        owned = {"user": user} if user is not None else {}
         tracker = self.recorder.start_run(
-            self.source, resolved, engine.config, model_name, fingerprint, payload, replay_of=replay_of
+            self.source,
+            resolved,
+            engine.config,
+            model_name,
+            fingerprint,
+            payload,
+            replay_of=replay_of,
+            **owned,
         )
         return RecipeStamper(tracker, recipe)
 
@@ -252,8 +275,12 @@ class RunService:
         A refused run (the engine's queue full, ``client`` at its in-flight limit) raises
         :class:`RunRejected`; a run left before its terminal event (the iterator closed, an error) is
         recorded as cancelled with ``stopped``, and closing cancels the request. ``owner`` (default: the
-        source and ``client``) is who the Queue panel lets cancel it.
+        source and ``client``) is who the Queue panel lets cancel it. An API request of an account counts
+        as that account (:meth:`client_of`) and belongs to it (``user:NAME``).
         """
+        client = self.client_of(client)
+        if client is not None and client.startswith("user:") and owner is None:
+            owner = client
         slots = self.slots if client is not None else None
         if slots is not None and client is not None and not slots.acquire(client):
             raise self.reject(RunRejected("client_limit", slots.message()), tracker)
@@ -262,7 +289,10 @@ class RunService:
             output = output_of(resolved.modalities, resolved.parameters)
             self.board.add(resolved.request_id, self.source, who, resolved.request.prompt, engine, output)
         if client is not None or owner is not None:  # the stage queues take clients round-robin
-            who = f"{self.source}:{client}" if client is not None else str(owner)
+            if client is not None and client.startswith("user:"):
+                who = client  # one client per account, from the UI, the API and jobs alike
+            else:
+                who = f"{self.source}:{client}" if client is not None else str(owner)
             resolved = replace(resolved, request=replace(resolved.request, client=who))
         # OmniEngine.generate is an async generator (typed as an iterator): closing it cancels the request.
         agen = cast(AsyncGenerator[EngineEvent, None], engine.generate(resolved, progress=progress))

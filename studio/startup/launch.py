@@ -144,6 +144,13 @@ def open_recorder(settings: StudioSettings) -> RunRecorder:
         raise StartupError(str(exc)) from exc
 
 
+def open_accounts(recorder: RunRecorder) -> Any:
+    """The team accounts of the run store (``studio.accounts.service.Accounts``; docs/team.md)."""
+    from studio.accounts.service import Accounts
+
+    return Accounts(recorder.store)
+
+
 def close_recorder(recorder: RunRecorder) -> None:
     """Write everything queued, then close the store (before the process exits)."""
     recorder.close()
@@ -258,6 +265,7 @@ def serve_api(settings: StudioSettings) -> int:
         options = serving_options(settings)
         recorder = loaded["recorder"] = open_recorder(settings)
         state = api.ServingState(None, options, recorder=recorder, source="api")
+        state.accounts = open_accounts(recorder)  # users' own keys (docs/team.md)
         front.target = api.create_app(state)  # 503 engine_not_ready (recorded as runs) until set_engine
         front.record_refused(recorder, state.served_model_name)
         engine = loaded["engine"] = start_engine(settings)
@@ -321,6 +329,33 @@ def launch_ui(settings: StudioSettings) -> int:
             starting.stop()  # a no-op once launch() has the port; frees it when loading failed
 
 
+def has_accounts(settings: StudioSettings) -> bool:
+    """Whether the run store has accounts (then the UI logs in each user: docs/team.md). One look before the
+    engine loads: the share login and key are settled from it."""
+    from studio.store import StoreError, open_store
+    from studio.store.accounts import AccountStore
+
+    try:
+        with open_store(settings.db_url, settings.data_dir) as store:
+            return AccountStore(store).any_users()
+    except StoreError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def ui_login(accounts: Any, operator: tuple[str, str] | None) -> Callable[[str, str], bool]:
+    """Gradio's login check in a studio with accounts: a user's own name and password (argon2id), or the
+    ``--auth`` login (the operator's, an admin). Failures are throttled by the login guard
+    (``studio/api/auth.py``) like wrong API keys."""
+    from studio.api.auth import secrets_equal
+
+    def check(username: str, password: str) -> bool:
+        if operator is not None and username == operator[0]:
+            return secrets_equal(password, operator[1])
+        return accounts.login(username, password) is not None
+
+    return check
+
+
 def _serve_ui(
     settings: StudioSettings,
     release_port: Callable[[], None],
@@ -328,10 +363,12 @@ def _serve_ui(
     startup: StartupCollection,
 ) -> int:
     # Settle the share login and API key before anything loads: a public link without a login would let
-    # anyone use the machine, and the API is public through the same link.
+    # anyone use the machine, and the API is public through the same link. A studio with accounts needs
+    # neither: each user logs in with their own name and calls the API with their own key (docs/team.md).
+    team = has_accounts(settings)
     auth = settings.auth
     generated_key: str | None = None
-    if settings.share:
+    if settings.share and not team:
         if auth is None:
             auth = ("omni", secrets.token_urlsafe(12))
         if not settings.api_key:
@@ -352,6 +389,7 @@ def _serve_ui(
 
     recorder = open_recorder(settings)
     serving = ServingState(engine, options, recorder=recorder, source="api")
+    serving.accounts = accounts = open_accounts(recorder)
     serving.jobs = start_jobs(serving, recorder, settings)  # resumes unfinished jobs (docs/jobs.md)
     # The API serves from now on, while Gradio still imports and builds the page (seconds); /health stays
     # "starting" until the whole studio is up (README, first section).
@@ -378,7 +416,8 @@ def _serve_ui(
     studio.share.requested = settings.share
     studio.admin_user = auth[0] if auth is not None else None  # the Queue tab's admin (docs/jobs.md)
     studio.share.api_key_generated = generated_key is not None
-    if settings.share and auth is not None:
+    studio.share.accounts = team
+    if settings.share and auth is not None and not team:  # with accounts, nobody's password is shown
         studio.share.username, studio.share.password = auth
 
     # What the UI may serve through /gradio_api/file=: only the run store's output files (the images it
@@ -405,7 +444,7 @@ def _serve_ui(
         server_name=settings.host,
         server_port=settings.port,
         share=settings.share,
-        auth=auth,
+        auth=ui_login(accounts, auth) if team else auth,
         prevent_thread_lock=True,
         allowed_paths=[outputs_dir],
         blocked_paths=blocked,
@@ -427,9 +466,17 @@ def _serve_ui(
         f"  OpenAI-compatible API: {studio.base_url}/v1"
         + (f" and {share_url.rstrip('/')}/v1" if share_url else ""),
     ]
-    if settings.share and auth is not None:
+    if settings.share and team:
+        lines.append(f"  share link: {share_url or 'not available ' + studio.share.message}")
+        lines.append(
+            "  logins: the studio's accounts (omni-studio users ls); no login generated. API: each user's "
+            "own key (omni-studio keys create --user NAME)"
+        )
+    elif settings.share and auth is not None:
         lines.append(f"  share link: {share_url or 'not available ' + studio.share.message}")
         lines.append(f"  UI login: {auth[0]} / {auth[1]}")
+    elif team:
+        lines.append("  logins: the studio's accounts (omni-studio users ls)")
     if generated_key:
         lines.append(f"  API key (required on /v1 when shared): {options.api_key}")
     print("\n".join(lines), file=sys.stderr, flush=True)

@@ -48,9 +48,33 @@ def header(studio: Studio) -> str:
     return f"## Omni Studio · {studio.model.name} ({studio.config.family}) · config `{studio.config.hash8}`"
 
 
+def who_markdown(studio: Studio, username: str | None) -> str:
+    """Who is logged in (docs/team.md): the account and whether it is an admin; empty without a login."""
+    if not username:
+        return ""
+    identity = studio.identity(username)
+    if identity.accounts and identity.name is None and not identity.admin:
+        return f"Logged in as **{username}**, which is no longer an account: log out and in again."
+    shown = identity.name or username
+    role = " (admin)" if identity.admin else ""
+    return f"Logged in as **{shown}**{role}"
+
+
 def build_ui(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="Omni Studio", analytics_enabled=False) as demo:  # no calls home
-        title = gr.Markdown(header(studio), elem_id="omni-header")
+        with gr.Row(equal_height=True):
+            title = gr.Markdown(header(studio), elem_id="omni-header")
+            who = gr.Markdown("", elem_id="omni-who")
+            # Gradio's own log-out: clears this browser's login cookie, then back to the login page.
+            logout = gr.Button(
+                "Log out",
+                link="/logout?all_session=false",
+                visible=False,
+                size="sm",
+                scale=0,
+                min_width=90,
+                elem_id="omni-logout",
+            )
         with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
                 chat = build_chat_tab(studio)
@@ -84,6 +108,15 @@ def build_ui(studio: Studio) -> gr.Blocks:
             batch["refresh"], batch["refresh_inputs"], batch["refresh_outputs"], api_name="batch_open"
         )
         queue_tab.select(queue["refresh"], None, queue["refresh_outputs"], api_name="queue_open")
+
+        def on_load(request: gr.Request):
+            """Whose page this is: shown at the top, and remembered for the session's runs (docs/team.md)."""
+            username = getattr(request, "username", None)
+            identity = studio.identity(username)
+            studio.ui_users.remember(request.session_hash, identity.name if identity.accounts else None)
+            return who_markdown(studio, username), gr.Button(visible=bool(username))
+
+        demo.load(on_load, None, [who, logout], api_name="whoami", api_visibility="private")
         # The Batch and Queue tabs refresh themselves every second or so, only while they are shown.
         tabs.select(
             tab_timers,

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
 import pandas as pd
 
+from studio.accounts.identity import Identity
 from studio.media.audio_compare import AudioDifference, file_difference, format_max, format_snr
 from studio.ui.history_audio import WAVEFORM_SIZE, waveform_file
 
@@ -42,9 +44,12 @@ def audio_figures_html(a: Any, b: Any, difference: AudioDifference | None) -> st
     )
 
 
-def build_compare_section(store: Any) -> tuple[gr.Textbox, gr.Textbox]:
+def build_compare_section(
+    store: Any, identity_of: Callable[[str | None], Identity] | None = None
+) -> tuple[gr.Textbox, gr.Textbox]:
     """The Compare controls and results; returns the Run A and Run B boxes (the detail's "Compare as A /
-    B" buttons fill them)."""
+    B" buttons fill them). ``identity_of`` (a login -> who they are) keeps each user to their own runs
+    (docs/team.md)."""
     gr.Markdown("### Compare two runs")
     run_a = gr.Textbox(label="Run A", elem_id="omni-h-run-a")
     run_b = gr.Textbox(label="Run B", elem_id="omni-h-run-b")
@@ -75,17 +80,23 @@ def build_compare_section(store: Any) -> tuple[gr.Textbox, gr.Textbox]:
         elem_id="omni-h-wave-b",
     )
 
-    def resolve(a: str, b: str) -> tuple[str, str]:
+    def resolve(a: str, b: str, request: gr.Request | None) -> tuple[str, str]:
         try:
-            return store.resolve_run_id(a.strip()), store.resolve_run_id(b.strip())
+            found = store.resolve_run_id(a.strip()), store.resolve_run_id(b.strip())
         except LookupError as exc:
             raise gr.Error(str(exc)) from None
+        if identity_of is not None:
+            identity = identity_of(getattr(request, "username", None))
+            for given, full in zip((a, b), found, strict=True):
+                if not identity.may_see(store.get_run(full).owner):  # as if it did not exist
+                    raise gr.Error(f"no run id starts with {given.strip()!r}")
+        return found
 
     def first(outputs: list[Any]) -> Any:
         return next((o for o in outputs if o.path.exists()), None)
 
-    def do_compare(a: str, b: str):
-        full_a, full_b = resolve(a, b)
+    def do_compare(a: str, b: str, request: gr.Request):
+        full_a, full_b = resolve(a, b, request)
         diff = store.diff_runs(full_a, full_b)
         rows = [
             [part, key, json.dumps(va, default=str), json.dumps(vb, default=str)]
@@ -96,8 +107,8 @@ def build_compare_section(store: Any) -> tuple[gr.Textbox, gr.Textbox]:
         image_a, image_b = first(store.get_run(full_a).images), first(store.get_run(full_b).images)
         return frame, str(image_a.path) if image_a else None, str(image_b.path) if image_b else None
 
-    def do_compare_audio(a: str, b: str):
-        full_a, full_b = resolve(a, b)
+    def do_compare_audio(a: str, b: str, request: gr.Request):
+        full_a, full_b = resolve(a, b, request)
         sound_a, sound_b = first(store.get_run(full_a).audio), first(store.get_run(full_b).audio)
         difference = file_difference(sound_a.path, sound_b.path) if sound_a and sound_b else None
 

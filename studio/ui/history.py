@@ -11,6 +11,7 @@ import contextlib
 import html
 import tempfile
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ import pandas as pd
 import yaml
 
 from engine.events import RunFailed, RunFinished
+from studio.accounts.identity import Identity
 from studio.controller import Studio
 from studio.media.images import png_bytes
+from studio.store.errors import RunNotFound
 from studio.ui.compare import build_compare_section
 from studio.ui.history_audio import (
     OUTPUT_KINDS,
@@ -83,7 +86,8 @@ def run_filter(search, status, model, fingerprint, config_hash, since, until, ou
 
 
 def rows_of(runs: list[Any]) -> pd.DataFrame:
-    return pd.DataFrame(
+    """The History table; with an ``owner`` column when any listed run belongs to an account (docs/team.md)."""
+    table = pd.DataFrame(
         [
             [
                 r.id[:12],
@@ -102,6 +106,9 @@ def rows_of(runs: list[Any]) -> pd.DataFrame:
         ],
         columns=COLUMNS,
     )
+    if any(getattr(r, "owner", None) for r in runs):
+        table.insert(3, "owner", [r.owner or "-" for r in runs])
+    return table
 
 
 def timings_chart(detail: Any) -> str:
@@ -221,7 +228,7 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             rerun_result = gr.Markdown("", elem_id="omni-h-rerun-result")
             rerun_image = gr.Image(label="Re-run output", type="filepath", interactive=False, height=200)
         with gr.Column(scale=2):
-            run_a, run_b = build_compare_section(store)
+            run_a, run_b = build_compare_section(store, studio.identity)
             gr.Markdown("### Export / import")
             export = gr.Button("Export these runs", elem_id="omni-h-export")
             export_file = gr.File(
@@ -257,8 +264,22 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             f"count); showing {shown:,}."
         )
 
-    def do_search(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v, output_v="any"):
+    def visitor(request: gr.Request | None) -> Identity:
+        return studio.identity(getattr(request, "username", None))
+
+    def visible_run(run_id_v: str, request: gr.Request | None) -> str:
+        """The full id of a run this visitor may see (another user's: as if there were none, docs/team.md)."""
+        full = store.resolve_run_id((run_id_v or "").strip())
+        identity = visitor(request)
+        if not identity.sees_all and store.get_run(full).owner != identity.name:
+            raise RunNotFound(f"no run with id {run_id_v.strip()!r}")
+        return full
+
+    def do_search(
+        search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v, output_v, request: gr.Request
+    ):
         flt = run_filter(search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v, output_v)
+        flt = replace(flt, user=visitor(request).run_user)  # a user sees their own runs only
         page = store.list_page(flt, limit=PAGE_SIZE)
         total = store.count_matching(flt)
         runs, images = page.runs, thumbnails(page.runs)
@@ -302,12 +323,12 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     search.submit(do_search, filters, search_outputs, api_visibility="private")
     output.change(do_search, filters, search_outputs, api_visibility="private")
 
-    def show(run_id_v: str):
+    def show(run_id_v: str, request: gr.Request):
         run_id_v = (run_id_v or "").strip()
         if not run_id_v:
             return [gr.skip()] * 8
         try:
-            full = store.resolve_run_id(run_id_v)
+            full = visible_run(run_id_v, request)
             d = store.get_run(full)
         except LookupError as exc:
             return [str(exc), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), []]
@@ -343,16 +364,26 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
         show, [run_id], detail_outputs, api_visibility="private"
     )
 
-    async def do_rerun(run_id_v: str):
+    async def do_rerun(run_id_v: str, request: gr.Request):
         run_id_v = (run_id_v or "").strip()
         if not run_id_v:
             yield "Pick a run first.", None
             return
-        full = store.resolve_run_id(run_id_v)
-        request, original = studio.request_from_run(full)
-        resolved = studio.resolve(request)
+        try:
+            full = visible_run(run_id_v, request)
+        except LookupError as exc:
+            yield str(exc), None
+            return
+        engine_request, original = studio.request_from_run(full)
+        resolved = studio.resolve(engine_request)
         yield f"Re-running `{full[:12]}` with seed {resolved.seed}…", None
-        async for rid, event in studio.run(resolved, {"rerun_of": full, "parameters": original.parameters}):
+        runs = studio.run(
+            resolved,
+            {"rerun_of": full, "parameters": original.parameters},
+            session=request.session_hash,
+            user=visitor(request).name,
+        )
+        async for rid, event in runs:
             if isinstance(event, RunFinished):
                 new_hashes = []
                 path = None
@@ -382,40 +413,52 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
     set_a.click(lambda r: r, [run_id], [run_a], api_visibility="private")
     set_b.click(lambda r: r, [run_id], [run_b], api_visibility="private")
 
-    def do_delete(run_id_v: str, *filter_values):
-        full = store.resolve_run_id((run_id_v or "").strip())
+    def do_delete(
+        run_id_v, search_v, status_v, model_v, fp_v, config_v, since_v, until_v, output_v, request: gr.Request
+    ):
+        full = visible_run(run_id_v, request)
         store.delete_run(full)
-        return (f"Deleted run `{full[:12]}`.", "", [], *do_search(*filter_values))
+        found = do_search(search_v, status_v, model_v, fp_v, config_v, since_v, until_v, output_v, request)
+        return (f"Deleted run `{full[:12]}`.", "", [], *found)
 
     delete.click(
         do_delete, [run_id, *filters], [detail, run_id, audio_state, *search_outputs], api_name="delete_run"
     )
 
-    def do_export(*filter_values):
+    def do_export(
+        search_v, status_v, model_v, fp_v, config_v, since_v, until_v, output_v, request: gr.Request
+    ):
         from studio.store import export_bundle
 
         target = Path(tempfile.mkdtemp()) / f"omni-studio-history-{time.strftime('%Y%m%d-%H%M%S')}.zip"
-        export_bundle(store, target, run_filter(*filter_values))
+        flt = run_filter(search_v, status_v, model_v, fp_v, config_v, since_v, until_v, output_v)
+        export_bundle(store, target, replace(flt, user=visitor(request).run_user))
         return str(target)
 
     export.click(do_export, filters, [export_file], api_name="export_history")
 
-    def do_import(path: str | None, *filter_values):
+    def do_import(
+        path, search_v, status_v, model_v, fp_v, config_v, since_v, until_v, output_v, request: gr.Request
+    ):
         if not path:
             return gr.skip(), *[gr.skip()] * len(search_outputs)
+        if not visitor(request).sees_all:  # a bundle's runs name their accounts: only an admin brings them in
+            return "Only an admin may import runs in a studio with accounts.", *[gr.skip()] * len(
+                search_outputs
+            )
         from studio.store import import_bundle
 
         result = import_bundle(store, path)
         return (
             f"Imported {result.imported} run(s); {result.skipped} already present.",
-            *do_search(*filter_values),
+            *do_search(search_v, status_v, model_v, fp_v, config_v, since_v, until_v, output_v, request),
         )
 
     import_file.upload(
         do_import, [import_file, *filters], [import_status, *search_outputs], api_name="import_history"
     )
 
-    def refresh():
-        return do_search("", "any", "any", "", "", "", "", "any")
+    def refresh(request: gr.Request):
+        return do_search("", "any", "any", "", "", "", "", "any", request)
 
     return {"refresh": refresh, "refresh_outputs": search_outputs}

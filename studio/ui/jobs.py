@@ -49,10 +49,12 @@ REFRESH_S = 1.5  # while the tab is open (app.py turns the timer on and off with
 
 def viewer_of(studio: Studio, request: gr.Request | None) -> Viewer:
     """The UI visitor behind ``request`` (their session, their login, whether it is the admin login)."""
+    username = getattr(request, "username", None)
     return Viewer.of_ui(
         getattr(request, "session_hash", None),
-        getattr(request, "username", None),
+        username,
         getattr(studio, "admin_user", None),
+        studio.identity(username),
     )
 
 
@@ -127,11 +129,14 @@ def problems_markdown(error: JobSpecError) -> str:
     return f"<div class='omni-errors' id='omni-batch-errors'><b>The job was not submitted</b><ul>{items}</ul></div>"
 
 
-def job_rows(service: JobService | None) -> list[list[str]]:
+def job_rows(service: JobService | None, viewer: Viewer | None = None) -> list[list[str]]:
+    """The jobs list (``viewer``: only the jobs they may see, docs/team.md)."""
     if service is None:
         return []
     rows = []
     for job in service.list_jobs(limit=30):
+        if viewer is not None and not viewer.sees(job.owner):
+            continue
         progress = f"{job.succeeded}/{job.total}"
         notes = [f"{n} {what}" for n, what in ((job.failed, "failed"), (job.cancelled, "cancelled")) if n]
         if notes:
@@ -151,7 +156,10 @@ def job_rows(service: JobService | None) -> list[list[str]]:
 
 
 def job_detail(
-    service: JobService | None, job_id: str | None, players: PlayerCache | None = None
+    service: JobService | None,
+    job_id: str | None,
+    players: PlayerCache | None = None,
+    viewer: Viewer | None = None,
 ) -> tuple[str, str | None, str]:
     """Markdown about one job, its grid's path once it has one, and its table of players (speech jobs)."""
     if service is None:
@@ -161,6 +169,8 @@ def job_detail(
     try:
         job: JobRecord = service.get(job_id, items=True)
     except JobNotFound:
+        return f"No job {job_id[:12]}.", None, ""
+    if viewer is not None and not viewer.sees(job.owner):  # another user's job: as if there were none
         return f"No job {job_id[:12]}.", None, ""
     position = service.positions().get(job.id)
     lines = [
@@ -291,9 +301,9 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
             return (gr.skip(), problems_markdown(exc), *nothing)
         except JobsUnavailable as exc:
             return (gr.skip(), f"<b>Not submitted</b>: {html.escape(str(exc))}", *nothing)
-        text, path, players_table = job_detail(service, job.id, players)
+        text, path, players_table = job_detail(service, job.id, players, viewer)
         note = f"Submitted job <code>{job.id[:12]}</code> ({job.total} cells); it runs in queue order (Queue tab)."
-        return job.id, note, job_rows(service), text, path, players_table, (path, players_table)
+        return job.id, note, job_rows(service, viewer), text, path, players_table, (path, players_table)
 
     def submit_form(
         prompts_v: str,
@@ -356,15 +366,17 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
     submit.click(submit_form, form, outputs, api_name="batch_submit")
     submit_yaml.click(submit_text, [document], outputs, api_name="batch_submit_yaml")
 
-    def refresh(job_id: str | None, on_screen: tuple[str | None, str] | None):
+    def refresh(job_id: str | None, on_screen: tuple[str | None, str] | None, request: gr.Request):
         service = job_service(studio)
-        text, path, players_table = job_detail(service, job_id, players)
+        viewer = viewer_of(studio, request)
+        text, path, players_table = job_detail(service, job_id, players, viewer)
         if on_screen is not None and tuple(on_screen) == (path, players_table):
-            return job_rows(service), text, gr.skip(), gr.skip(), gr.skip()
-        return job_rows(service), text, path, players_table, (path, players_table)
+            return job_rows(service, viewer), text, gr.skip(), gr.skip(), gr.skip()
+        return job_rows(service, viewer), text, path, players_table, (path, players_table)
 
-    def pick(evt: gr.SelectData):
+    def pick(evt: gr.SelectData, request: gr.Request):
         service = job_service(studio)
+        viewer = viewer_of(studio, request)
         row = evt.row_value if isinstance(evt.row_value, list) else None
         prefix = str(row[0]) if row else ""
         match = next(
@@ -373,7 +385,7 @@ def build_batch_tab(studio: Studio) -> dict[str, Any]:
         )
         if match is None or not prefix:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        text, path, players_table = job_detail(service, match.id, players)
+        text, path, players_table = job_detail(service, match.id, players, viewer)
         return match.id, text, path, players_table, (path, players_table)
 
     jobs_table.select(pick, None, [selected, detail, grid, table, shown], api_name="batch_select")

@@ -24,6 +24,8 @@ def queue_view(studio: Studio) -> QueueView:
 def who_note(viewer: Viewer) -> str:
     if viewer.admin:
         return "Signed in as the admin login: you may cancel and move everything."
+    if not viewer.sees_all:  # a user of a studio with accounts (docs/team.md)
+        return "You see your own requests and jobs (from the UI and your API keys); you may cancel them and move your jobs."
     return "You may cancel what you submitted from this browser session, and move your own jobs."
 
 

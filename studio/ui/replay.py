@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
+from studio.accounts.identity import act_as, stop_acting
 from studio.controller import Studio
 from studio.replay.replayer import Replayer, ReplaySelectionError, ReplayTarget, select_runs
 from studio.replay.report import PARAMETER_MODES, ReplayReport, write_report
@@ -98,17 +100,36 @@ def build_replay_section(
     pairs_state = gr.State({})
     audio_state = gr.State({})
 
-    async def do_replay(run_id_v: str, scope_v: str, parameters_v: str, *filter_values: Any):
+    async def do_replay(
+        run_id_v: str,
+        scope_v: str,
+        parameters_v: str,
+        search_v: Any,
+        status_v: Any,
+        model_v: Any,
+        fingerprint_v: Any,
+        config_v: Any,
+        since_v: Any,
+        until_v: Any,
+        output_v: Any,
+        request: gr.Request,
+    ):
         if store is None or studio.recorder is None:
             raise gr.Error("Replay needs the run store, which this process does not have.")
+        filter_values = (search_v, status_v, model_v, fingerprint_v, config_v, since_v, until_v, output_v)
+        identity = studio.identity(getattr(request, "username", None))
         try:
             if scope_v == FILTERED:
-                selection = select_runs(store, run_filter(*filter_values), limit=UI_REPLAY_LIMIT)
+                # A user replays their own runs only (docs/team.md).
+                chosen_filter = replace(run_filter(*filter_values), user=identity.run_user)
+                selection = select_runs(store, chosen_filter, limit=UI_REPLAY_LIMIT)
             else:
                 chosen = (run_id_v or "").strip()
                 if not chosen:
                     raise gr.Error("Pick a run first (click a row), or replay the runs matching the filters.")
                 selection = select_runs(store, ids=[chosen])
+                if not all(identity.may_see(run.owner) for run in selection.runs):
+                    raise gr.Error(f"no run with id {chosen!r}")
         except ReplaySelectionError as exc:
             raise gr.Error(str(exc)) from None
         if not selection.runs:
@@ -134,7 +155,13 @@ def build_replay_section(
                 {},
                 {},
             )
-            report.entries.append(await replayer.replay(original, target))
+            # The replay is the visitor's run: the run path records it as theirs (set and reset within this
+            # step of the generator, so no other event's context keeps it).
+            acting = act_as(identity if identity.accounts else None)
+            try:
+                report.entries.append(await replayer.replay(original, target))
+            finally:
+                stop_acting(acting)
         folder = Path(tempfile.mkdtemp(prefix="omni-replay-"))
         paths = [str(write_report(report, folder / f"replay-report{suffix}")) for suffix in (".md", ".json")]
         pairs = {label: (before, after) for label, before, after in report.pairs}

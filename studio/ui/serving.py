@@ -1,5 +1,7 @@
 """The Serving tab: fingerprint mode and value (applied at once through the handler rebuild), API key,
-the exported endpoint with ready curl and Python snippets, and the share link's status."""
+the exported endpoint with ready curl and Python snippets, and the share link's status. In a studio with
+accounts (docs/team.md) each user makes and revokes their own API keys here (``studio/ui/user_keys.py``),
+and only an admin sees or changes the ``--api-key`` and the fingerprint."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import gradio as gr
 
 from studio.api.fingerprint import FINGERPRINT_MODES, FingerprintError
 from studio.controller import API_KEY_ENV, Studio
+from studio.ui.user_keys import build_user_keys
 
 
 def fingerprint_line(studio: Studio) -> str:
@@ -32,7 +35,9 @@ def share_markdown(studio: Studio) -> str:
         )
     else:
         lines.append(f"**Share link:** {share.url or 'not available'} {share.message}")
-        if share.username:
+        if share.accounts:
+            lines.append("**UI login:** each user's own account; API: each user's own key (below).")
+        elif share.username:
             lines.append(f"**UI login:** `{share.username}` / `{share.password}`")
         if share.api_key_generated:
             lines.append(
@@ -53,8 +58,18 @@ def key_hint_markdown(studio: Studio) -> str:
     return about
 
 
+def _admin_only(studio: Studio, request: gr.Request | None) -> str | None:
+    """Why this visitor may not change the studio's settings (``None``: they may): with accounts, only an
+    admin may (docs/team.md)."""
+    identity = studio.identity(getattr(request, "username", None))
+    if identity.accounts and not identity.admin:
+        return "Only an admin may change this in a studio with accounts."
+    return None
+
+
 def build_serving_tab(studio: Studio) -> dict[str, Any]:
     current = studio.serving.options.fingerprint
+    team = studio.accounts is not None and studio.accounts.configured()
     with gr.Row(equal_height=False):
         with gr.Column():
             gr.Markdown("### Fingerprint")
@@ -71,13 +86,14 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
             fingerprint = gr.HTML(fingerprint_line(studio), elem_id="omni-fp-status")
             gr.Markdown("### API key")
             key = gr.Textbox(
-                studio.api_key or "",
+                "" if team else studio.api_key or "",  # with accounts: never in the page of a non-admin
                 type="password",
                 label="Bearer key required on /v1/* (empty: open)",
                 elem_id="omni-api-key",
             )
             set_key = gr.Button("Set API key")
             key_status = gr.Markdown("")
+            user_keys = build_user_keys(studio)
         with gr.Column():
             gr.Markdown("### Endpoint")
             share = gr.Markdown(share_markdown(studio), elem_id="omni-share")
@@ -88,7 +104,10 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
                 python_snippet, language="python", label="Python (openai SDK)", interactive=False
             )
 
-    def on_apply(mode_v: str, value_v: str):
+    def on_apply(mode_v: str, value_v: str, request: gr.Request):
+        refused = _admin_only(studio, request)
+        if refused:
+            return f"<div class='omni-invalid'>{html.escape(refused)}</div>"
         try:
             studio.set_fingerprint(mode_v, value_v.strip() or None if mode_v == "custom" else None)
         except FingerprintError as exc:
@@ -97,7 +116,11 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
 
     apply.click(on_apply, [mode, value], [fingerprint], api_name="set_fingerprint")
 
-    def on_key(key_v: str):
+    def on_key(key_v: str, request: gr.Request):
+        refused = _admin_only(studio, request)
+        if refused:
+            curl_v, python_v = studio.snippets()
+            return refused, curl_v, python_v, key_hint_markdown(studio)
         studio.set_api_key(key_v.strip() or None)
         curl_v, python_v = studio.snippets()
         return (
@@ -113,8 +136,16 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
 
     set_key.click(on_key, [key], [key_status, curl, python, key_hint], api_name="set_api_key")
 
-    def refresh():
+    def refresh(request: gr.Request):
         curl_v, python_v = studio.snippets()
-        return fingerprint_line(studio), share_markdown(studio), curl_v, python_v, key_hint_markdown(studio)
+        return (
+            fingerprint_line(studio),
+            share_markdown(studio),
+            curl_v,
+            python_v,
+            key_hint_markdown(studio),
+            *user_keys["refresh"](request),
+        )
 
-    return {"refresh": refresh, "refresh_outputs": [fingerprint, share, curl, python, key_hint]}
+    outputs = [fingerprint, share, curl, python, key_hint, *user_keys["refresh_outputs"]]
+    return {"refresh": refresh, "refresh_outputs": outputs}
