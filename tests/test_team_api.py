@@ -150,7 +150,9 @@ def test_the_queue_shows_each_user_their_own_rows_and_the_admin_all() -> None:
     assert [row.id for row in view.rows(alice)] == ["a1"]
     assert sorted(row.id for row in view.rows(bob)) == ["b1", "b2"]
     assert sorted(row.id for row in view.rows(root)) == ["a1", "b1", "b2"]
-    assert all(row.yours for row in view.rows(alice)) and not any(row.yours for row in view.rows(bob) if row.id == "a1")
+    assert all(row.yours for row in view.rows(alice)) and not any(
+        row.yours for row in view.rows(bob) if row.id == "a1"
+    )
     # Alice may not cancel bob's request, even by its id.
     with pytest.raises(Exception, match="Nothing with id b1"):
         view.cancel(alice, "b1")
