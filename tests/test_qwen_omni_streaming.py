@@ -24,11 +24,13 @@ from engine.events import AudioDelta, DiffusionStep, StageFinished, StageStatus
 from engine.modality import OutputAccumulator, OutputModality
 from engine.models import describe_model
 from engine.stages.base import StageJob
+from engine.pipelines.qwen_omni.code2wav_streams import LATER_CHUNKS
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed, chunking_problems
 from engine.tempo import stretch
 from tests.conftest import tiny_deploy
 
-CHUNK = 12  # codes per chunk: one DiT attention block of the tiny model
+CHUNK = 12  # codes in the first chunk: one DiT attention block of the tiny model
+LATER = CHUNK * LATER_CHUNKS  # codes in every later chunk (docs/speech.md, "Chunk sizes")
 SAMPLES_PER_CODE = 480  # 2 mel frames of 240 samples
 DEADLINE_S = 300  # bounds a hang only
 
@@ -87,8 +89,9 @@ def test_chunks_arrive_in_order_and_join_into_the_runs_audio(streaming):
     audio = finished.outputs[0].audio
     chunks = chunks_of(events)
     assert len(chunks) >= 2  # seed 2 speaks more than one chunk
-    assert all(c.size == CHUNK * SAMPLES_PER_CODE for c in chunks[:-1])
-    assert 0 < chunks[-1].size <= CHUNK * SAMPLES_PER_CODE
+    sizes = [CHUNK] + [LATER] * (len(chunks) - 2)  # codes of every chunk but the last
+    assert [c.size for c in chunks[:-1]] == [n * SAMPLES_PER_CODE for n in sizes]
+    assert 0 < chunks[-1].size <= LATER * SAMPLES_PER_CODE
     assert np.array_equal(np.concatenate(chunks), audio)
     assert 0.01 < float(np.sqrt(np.mean(audio**2))) < 0.9  # audible
     started = [e for e in events if isinstance(e, StageStarted) and e.stage_id == 2]
@@ -291,7 +294,7 @@ def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming):
     play), then turns by whose listener runs out first; each stream's samples are its alone render's."""
     runner = streaming.runners[2]
     codes = {seed: talker_codes(streaming, seed)[1] for seed in (2, 5)}
-    assert all(c.shape[1] > 2 * CHUNK for c in codes.values())  # three chunks or more each
+    assert all(c.shape[1] > CHUNK for c in codes.values())  # two chunks or more each
     order: list[str] = []
     lock = threading.Lock()
     finished = {seed: threading.Event() for seed in codes}
@@ -313,7 +316,9 @@ def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming):
         runner.submit(job, lambda status, error, seed=seed: finished[seed].set())
     assert all(event.wait(DEADLINE_S) for event in finished.values())
     assert order[:3] == ["s2", "s5", "s2"]
-    assert [order.count(f"s{seed}") for seed in codes] == [-(-c.shape[1] // CHUNK) for c in codes.values()]
+    assert [order.count(f"s{seed}") for seed in codes] == [
+        1 + -(-(c.shape[1] - CHUNK) // LATER) for c in codes.values()
+    ]
     for seed, job in jobs.items():
         alone_feed = ChunkFeed()
         alone_feed.publish({"codes": codes[seed]}, final=True)

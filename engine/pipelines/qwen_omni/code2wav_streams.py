@@ -64,6 +64,9 @@ class Code2WavStage(Protocol):
 
 
 VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a chunk (docs/speech.md)
+# Every chunk after the first is this many times chunk_size: the first is small so the first sound comes
+# soon; later ones render less context per second of audio (docs/speech.md, "Chunk sizes").
+LATER_CHUNKS = 2
 
 
 def speed_of(job: StageJob) -> float:
@@ -86,7 +89,8 @@ class ChunkPlan:
     edges on block boundaries so the window's blocks are the whole render's.
     """
 
-    chunk: int  # codes per chunk (the deploy config's chunk_size)
+    chunk: int  # codes in the first chunk (the deploy config's chunk_size)
+    later: int  # codes in every later chunk (LATER_CHUNKS x chunk)
     block: int  # codes per DiT attention block
     back: int  # codes of context before a chunk
     ahead: int  # codes of context after a chunk (what must exist before the chunk is rendered)
@@ -104,13 +108,19 @@ class ChunkPlan:
         reach = -(-VOCODER_REACH_FRAMES // repeats)
         back = max(blocks_back * block, reach)
         ahead = max(blocks_ahead * block, reach)
-        return cls(chunk, block, back, ahead, repeats, int(math.prod(vocoder.config.upsample_rates)))
+        later = chunk * LATER_CHUNKS
+        return cls(chunk, later, block, back, ahead, repeats, int(math.prod(vocoder.config.upsample_rates)))
+
+    def size(self, start: int) -> int:
+        """Codes in the chunk starting at ``start``: the first is small (its audio comes soonest), later
+        ones larger (less context rendered per second of audio)."""
+        return self.chunk if start == 0 else self.later
 
     def window(self, start: int, total: int | None) -> tuple[int, int]:
         """The codes [low, high) rendered for the chunk starting at ``start``; ``total`` when all the
         codes are known (the window stops there), None while the talker is still speaking."""
         low = max(0, start - self.back) // self.block * self.block
-        end = start + self.chunk
+        end = start + self.size(start)
         high = -(-(end + self.ahead) // self.block) * self.block
         return low, high if total is None else min(high, total)
 
@@ -189,7 +199,7 @@ class StreamRender:
             self.finish()
             return None
         low, high = plan.window(self.start, total if final else None)
-        end = min(self.start + plan.chunk, total)
+        end = min(self.start + plan.size(self.start), total)
         noise = self.noise.frames(low * plan.repeats, high * plan.repeats).to(stage.device)
         window = stage.window(job, codes[:, low:high].to(stage.device), self.speaker, self.voice, noise)
         return ChunkWork(self, window, low, end, final and end >= total)
