@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: GLM-Image T2I with both stages on the GPU (AR on vLLM, DiT + VAE on diffusers), per-stage times,
 # greedy token parity vLLM vs transformers, the AR backend benchmark, batch throughput at 1 and 8
-# clients over HTTP (bench/throughput.py), then vLLM's own scale-out (tensor parallel over the GPUs with the
+# clients over HTTP (bench/throughput.py), the speech sweep at 1-16 clients (bench/speech.py), then vLLM's own scale-out (tensor parallel over the GPUs with the
 # mp and Ray executors; docs/vllm.md).
 #
 #   bash bench/gpu_check.sh                      # the tiny model (64x64, 4 steps)
@@ -97,6 +97,10 @@ if [ "$MODEL" = tiny-glm-image ]; then
 else
   .venv/bin/python bench/throughput.py --model "$MODEL" --levels 1 8 --rounds 1 --per-client 1
 fi
+# Speech for many listeners (docs/speech.md, "Many listeners"): tiny-qwen-omni's preset on GPU 0, streamed
+# /v1/audio/speech at 1, 4, 8 and 16 clients (TTFP, RTF, audio throughput, underruns, each stream against
+# its alone bytes) beside the one-shot generate.
+.venv/bin/python bench/speech.py --rounds 2 --seeds 2 --levels 1 4 8 16 --devices 0
 # vLLM's own scale-out (docs/vllm.md, "Scale-out"): the AR stage tensor-parallel over every GPU here, with
 # vLLM's multiprocessing executor and with its Ray executor (a local Ray instance; one GPU: the Ray executor
 # path at tensor_parallel_size 1). Token ids are compared with the single-GPU run above.

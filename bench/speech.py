@@ -151,7 +151,7 @@ def http_chat(client: httpx.Client, seed: int) -> dict[str, Any]:
 class OneShot:
     """transformers' own model on the served folder, with the preset's sampling (as tests/test_qwen_omni.py)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, device: str = "cpu") -> None:
         import torch
         from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
@@ -161,7 +161,8 @@ class OneShot:
         # One intra-op thread, as the engine's stages run a small model (docs/batching.md): the same
         # kernels; and on a busy machine spinning OpenMP threads cost the one-shot call tens of seconds.
         torch.set_num_threads(1)
-        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder).eval()
+        self.device = device
+        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder).eval().to(device)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         stages = {
             s["stage_id"]: s
@@ -183,7 +184,7 @@ class OneShot:
             add_generation_prompt=True,
             return_dict=True,
             return_tensors="pt",
-        )
+        ).to(self.device)
         thinker: dict[str, Any] = {
             "thinker_do_sample": True,
             "thinker_temperature": float(self.thinker["temperature"]),
@@ -194,7 +195,9 @@ class OneShot:
             ids = self.tokenizer(SPEECH_INPUT, add_special_tokens=False, split_special_tokens=True)[
                 "input_ids"
             ]
-            forced = self.torch.tensor([*ids, self.tokenizer.convert_tokens_to_ids(END_OF_REPLY)])
+            forced = self.torch.tensor(
+                [*ids, self.tokenizer.convert_tokens_to_ids(END_OF_REPLY)], device=self.device
+            )
             prompt_length = int(inputs["input_ids"].shape[1])
             thinker["thinker_logits_processor"] = LogitsProcessorList([ForcedReply(forced, prompt_length)])
             thinker["thinker_max_new_tokens"] = int(forced.numel())
@@ -243,6 +246,10 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--per-client", type=int, default=1, help="speech requests per client per level")
     parser.add_argument("--serve-args", nargs="*", default=[], help="extra `omni-studio serve` flags")
+    parser.add_argument(
+        "--devices",
+        help="`omni-studio serve --devices` (e.g. 0: every stage on GPU 0; the one-shot there too)",
+    )
     args = parser.parse_args()
 
     from engine.environment import quiet_libraries
@@ -254,7 +261,11 @@ def main() -> None:
     cache = model_cache_dir(data_dir)
     os.environ["OMNI_STUDIO_MODEL_CACHE"] = str(cache)  # the server builds into (and reads) the same folder
     folder = ensure_builtin_model(MODEL, cache)
-    one_shot = OneShot(folder)
+    one_shot = OneShot(
+        folder, f"cuda:{args.devices.split(',')[0]}" if args.devices and args.devices[0].isdigit() else "cpu"
+    )
+    if args.devices:
+        args.serve_args = [*args.serve_args, "--devices", args.devices]
     kinds = ("speech", "chat")
     engine_runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     direct_runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
