@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -104,12 +105,31 @@ def test_each_user_has_their_own_key_runs_and_files_and_a_revoke_takes_effect_at
         assert output(url, keys["root"], alice_sha).status_code == 200
         assert output(url, keys["root"], bob_sha).status_code == 200
 
+        # A job sent with alice's key is alice's: bob neither lists, reads nor cancels it; the admin sees it.
+        def jobs(key: str, path: str = "", method: str = "GET", **kw) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.request(method, f"{url}/v1/studio/jobs{path}", headers=headers, timeout=60, **kw)
+
+        spec = {"name": "alice job", "prompts": ["alice grid"], "seeds": [5], "size": "64x64", "steps": 2}
+        job = jobs(keys["alice"], method="POST", json=spec).json()
+        assert job["owner"] == "user:alice", job
+        assert [j["id"] for j in jobs(keys["alice"]).json()["data"]] == [job["id"]]
+        assert jobs(keys["bob"]).json()["data"] == []
+        assert jobs(keys["bob"], f"/{job['id']}").status_code == 404
+        assert jobs(keys["bob"], f"/{job['id']}", "DELETE").status_code == 404
+        assert [j["id"] for j in jobs(keys["root"]).json()["data"]] == [job["id"]]
+        deadline = time.monotonic() + 300  # only stops a hang: the job's one cell takes a second or two
+        while jobs(keys["alice"], f"/{job['id']}").json()["status"] != "succeeded":
+            assert time.monotonic() < deadline, "the job did not finish"
+            time.sleep(0.2)
+
         # The runs are recorded as their users' (the CLI reads the same store while the server runs).
         listed = json.loads(cli(capsys, db, data, "history", "ls", "--json"))
         owners = {run["prompt"]: run["owner"] for run in listed}
         assert owners["alice's red circle"] == "alice" and owners["bob's blue square"] == "bob"
         mine = json.loads(cli(capsys, db, data, "history", "ls", "--json", "--user", "alice"))
-        assert [run["id"] for run in mine] == [alice_run]
+        assert alice_run in [run["id"] for run in mine] and {run["owner"] for run in mine} == {"alice"}
+        assert "alice grid" in {run["prompt"] for run in mine}  # the job's cell: alice's run too
 
         # Revoked from the CLI (another process): the running server refuses the key from the next request.
         key_id = keys["alice"].split("_")[1]

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import FileResponse, JSONResponse
 
+from studio.accounts.identity import current_identity
 from studio.api.errors import APIError
 from studio.api.protocol_jobs import JobGrid, JobItemOut, JobList, JobObject, JobProgress
 from studio.api.serving_base import client_id
@@ -70,6 +71,12 @@ def job_route_docs(errors: Callable[..., dict[int | str, dict[str, Any]]]) -> di
             "responses": {200: PNG_RESPONSE, **errors(401, 404, 503)},
         },
     }
+
+
+def _visible(job: JobRecord) -> bool:
+    """Whether the current request's account may see ``job`` (everyone may without accounts)."""
+    identity = current_identity()
+    return identity is None or identity.sees_all or job.owner == identity.owner
 
 
 def _stamp(value: Any) -> int | None:
@@ -140,14 +147,19 @@ class StudioServingJobs:
 
     def _get(self, job_id: str, items: bool = True) -> JobRecord:
         try:
-            return self.jobs.get(job_id, items=items)
+            job = self.jobs.get(job_id, items=items)
         except JobNotFound:
             raise APIError(404, f"No job with id {job_id!r}", "job_id", "job_not_found") from None
+        if not _visible(job):  # another user's job: as if there were none (docs/team.md)
+            raise APIError(404, f"No job with id {job_id!r}", "job_id", "job_not_found")
+        return job
 
     def create(self, payload: dict[str, Any], raw: Request) -> JSONResponse:
         try:
             spec = parse_job_spec(payload, self.limits)
-            job = self.jobs.submit(spec, "api", f"api:{client_id(raw)}")
+            identity = current_identity()  # an account's job is theirs (``user:NAME``), whatever key sent it
+            owner = identity.owner if identity is not None and identity.owner else f"api:{client_id(raw)}"
+            job = self.jobs.submit(spec, "api", owner)
         except JobSpecError as exc:
             raise APIError(400, f"Invalid job: {exc.summary()}", exc.field or None, "invalid_job") from exc
         except JobsUnavailable as exc:
@@ -178,11 +190,12 @@ class StudioServingJobs:
             raise APIError(400, f"Invalid value for 'limit': a whole number from 1 to {MAX_LIST}", "limit")
         base = str(raw.base_url).rstrip("/")
         positions = self.jobs.positions()
-        jobs = self.jobs.list_jobs(statuses, limit=int(limit_text))
+        jobs = [job for job in self.jobs.list_jobs(statuses, limit=int(limit_text)) if _visible(job)]
         body = JobList(data=[self.job_object(job, base, positions) for job in jobs])
         return JSONResponse(body.model_dump(mode="json"))
 
     def cancel(self, job_id: str, raw: Request) -> JSONResponse:
+        self._get(job_id, items=False)  # 404 for another user's job
         try:
             job = self.jobs.cancel(job_id)
         except JobNotFound:

@@ -342,16 +342,17 @@ def has_accounts(settings: StudioSettings) -> bool:
         raise StartupError(str(exc)) from exc
 
 
-def ui_login(accounts: Any, operator: tuple[str, str] | None) -> Callable[[str, str], bool]:
+def ui_login(accounts: Any, operator: tuple[str, str] | None) -> Callable[[str, str], Any]:
     """Gradio's login check in a studio with accounts: a user's own name and password (argon2id), or the
     ``--auth`` login (the operator's, an admin). Failures are throttled by the login guard
-    (``studio/api/auth.py``) like wrong API keys."""
+    (``studio/api/auth.py``) like wrong API keys. The check runs on a worker thread: argon2 takes a
+    tenth of a second of CPU by design, which the server's event loop must not wait out."""
     from studio.api.auth import secrets_equal
 
-    def check(username: str, password: str) -> bool:
+    async def check(username: str, password: str) -> bool:
         if operator is not None and username == operator[0]:
             return secrets_equal(password, operator[1])
-        return accounts.login(username, password) is not None
+        return await asyncio.to_thread(lambda: accounts.login(username, password) is not None)
 
     return check
 
