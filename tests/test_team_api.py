@@ -196,3 +196,34 @@ def test_fair_scheduling_counts_a_user_as_one_client_whatever_key_or_address() -
         assert RunService.client_of("127.0.0.1|key-a") == "user:bob"
     finally:
         stop_acting(token)
+
+
+def test_share_with_accounts_generates_no_login_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture, share_guard
+) -> None:
+    """`--share` with accounts: no generated login or key; the banner says the accounts log in; an
+    account's password logs in to the UI and its key opens the API (the share tunnel is the test's
+    refusing stand-in, tests/share_guard.py)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    db = f"sqlite:///{data / 'runs.db'}"
+    keys = make_team(capsys, db, data)
+    with running_server(["ui", "--share"], data) as server:
+        log = server.log()
+        assert "logins: the studio's accounts" in log and "no login generated" in log, log
+        assert "UI login:" not in log and "API key (required on /v1 when shared)" not in log, log
+        login = httpx.post(
+            f"{server.url}/login",
+            data={"username": "alice", "password": "a long enough password"},
+            timeout=30,
+        )
+        assert login.status_code == 200, login.text
+        wrong = httpx.post(
+            f"{server.url}/login", data={"username": "alice", "password": "nope nope"}, timeout=30
+        )
+        assert wrong.status_code == 400
+        assert httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 401
+        models = httpx.get(
+            f"{server.url}/v1/models", headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=30
+        )
+        assert models.status_code == 200
