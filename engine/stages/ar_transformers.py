@@ -29,18 +29,12 @@ from typing import Any, Protocol, cast
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.logits_process import (
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
 from engine.client_load import yields_to
 from engine.events import FinishReason, StageStatus, TokenProgress
 from engine.modality import OutputModality
+from engine.stages.ar_sampling import LEAN_PROCESSORS, sampling_kwargs
 from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, intra_op_threads_for
 
 # The RNG is process-global: two AR stages (two engines in one process) must not interleave seeding.
@@ -60,39 +54,6 @@ class ARInputs:
     @property
     def prompt_length(self) -> int:
         return int(self.model_inputs["input_ids"].shape[-1])
-
-
-def sampling_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """vLLM-style sampling parameters -> ``generate`` keyword arguments (only those that are set)."""
-    kwargs: dict[str, Any] = {}
-    temperature = params.get("temperature")
-    if temperature is not None and temperature == 0:
-        kwargs["do_sample"] = False
-        return kwargs
-    kwargs["do_sample"] = True
-    if temperature is not None:
-        kwargs["temperature"] = float(temperature)
-    if params.get("top_p") is not None:
-        kwargs["top_p"] = float(params["top_p"])
-    if params.get("top_k") is not None:
-        kwargs["top_k"] = max(0, int(params["top_k"]))  # vLLM's -1 and transformers' 0 both mean "off"
-    if params.get("min_p") is not None:
-        kwargs["min_p"] = float(params["min_p"])
-    if params.get("repetition_penalty") is not None:
-        kwargs["repetition_penalty"] = float(params["repetition_penalty"])
-    return kwargs
-
-
-# Logits processors the lean loop applies itself (in the order transformers builds them); any other one
-# (a model's generation_config asking for more) sends the request to ``generate``.
-LEAN_PROCESSORS = (
-    RepetitionPenaltyLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-)
 
 
 class FastDecoder(Protocol):
@@ -228,6 +189,23 @@ class TransformersARStage(StageRunner):
         """The family's lean decode step, or None to always use ``generate`` (the default)."""
         return None
 
+    # Hooks of the lean loop for a family whose generate call carries more (the Qwen2.5-Omni talker).
+    lean_processors: tuple[type, ...] = LEAN_PROCESSORS  # the logits processors the loop applies
+
+    def prepare_job(self, job: StageJob) -> ARInputs | None:
+        """The job's inputs, or None when ``_run_one`` makes its outputs without generating."""
+        return self.prepare(job)
+
+    def lean_options(self, prepared: ARInputs) -> dict[str, Any] | None:
+        """The generation options of ``prepared.generate_kwargs`` for the lean loop's generation config,
+        or None when the loop cannot honour them (then ``generate``); default: none may be set."""
+        return None if prepared.generate_kwargs else {}
+
+    def row_generator(self, job: StageJob, device: torch.device) -> torch.Generator:
+        """A sampling row's generator: the request seed's stream (what the global RNG draws after
+        ``torch.manual_seed(seed)``)."""
+        return torch.Generator(device=device).manual_seed(int(job.params["seed"]))
+
     @property
     def decode_path(self) -> str | None:
         decoder = self.fast_decoder()
@@ -311,11 +289,11 @@ class TransformersARStage(StageRunner):
         try:
             if job.cancelled:
                 raise StageCancelled()
-            prepared = self.prepare(job)
-            job.scratch["max_new_tokens"] = prepared.max_new_tokens
-            job.input_tokens = prepared.prompt_length
-            row = None if decoder is None else self._lean_row(decoder, job, prepared)
-            if decoder is None or row is None:
+            prepared = self.prepare_job(job)
+            if prepared is not None:
+                job.scratch["max_new_tokens"] = prepared.max_new_tokens
+                job.input_tokens = prepared.prompt_length
+            if decoder is None or prepared is None or (row := self._lean_row(decoder, job, prepared)) is None:
                 self._run_one(job, prepared)
                 done(StageStatus.SUCCEEDED, None)
                 return None
@@ -413,10 +391,11 @@ class TransformersARStage(StageRunner):
 
     def _lean_row(self, decoder: FastDecoder, job: StageJob, prepared: ARInputs) -> _Row | None:
         """A lean-loop row for the job, or None if it needs ``generate`` (options the loop lacks)."""
-        if prepared.generate_kwargs or not decoder.supports(prepared.model_inputs):
+        options = self.lean_options(prepared)
+        if options is None or not decoder.supports(prepared.model_inputs):
             return None
         model = self.model
-        kwargs = {**sampling_kwargs(job.params), **self._generation_limits(job, prepared)}
+        kwargs = {**sampling_kwargs(job.params), **self._generation_limits(job, prepared), **options}
         config, unused = self._generation_config(kwargs)
         if unused or config.num_beams not in (None, 1) or config.stop_strings or config.max_length is None:
             return None
@@ -430,16 +409,14 @@ class TransformersARStage(StageRunner):
             device=input_ids.device,
             model_kwargs={},
         )
-        if not all(isinstance(p, LEAN_PROCESSORS) for p in processors):
+        if not all(isinstance(p, self.lean_processors) for p in processors):
             return None
         hold = [p for p in processors if isinstance(p, MinNewTokensLengthLogitsProcessor)]
         processors = LogitsProcessorList(
             [p for p in processors if not isinstance(p, MinNewTokensLengthLogitsProcessor)]
         )
         sample = bool(config.do_sample)
-        generator = None
-        if sample:
-            generator = torch.Generator(device=input_ids.device).manual_seed(int(job.params["seed"]))
+        generator = self.row_generator(job, input_ids.device) if sample else None
         sequence = torch.empty(
             prepared.prompt_length + prepared.max_new_tokens, dtype=torch.long, device=input_ids.device
         )

@@ -1,10 +1,12 @@
-"""The thinker's and talker's shared AR loop: ``generate`` one request at a time on one seeded stream.
+"""The thinker's and talker's shared AR stage: one seeded RNG stream handed from stage to stage.
 
 transformers' one-shot ``Qwen2_5OmniForConditionalGeneration.generate`` draws the thinker's samples,
 the talker's and code2wav's starting noise from one RNG stream, seeded once. The split stages keep that
 stream: the thinker seeds it with the request's seed, each stage hands its RNG state to the next with
 its outputs (``rng_state``), and the next stage continues from it. So the split pipeline makes the
-one-shot's samples, whatever ran between the stages (docs/speech.md, "Stages and hand-offs").
+one-shot's samples, whatever ran between the stages (docs/speech.md, "Stages and hand-offs"). The
+thinker runs ``generate`` one request at a time; the talker decodes its requests together in the lean
+loop, each row on a generator of its own that continues the stream it was handed.
 """
 
 from __future__ import annotations
@@ -22,17 +24,41 @@ from engine.stages.ar_transformers import (
 from engine.stages.base import StageCancelled, StageJob, intra_op_threads_for
 from engine.streaming import publish_partial
 
+GENERATOR_KEY = "rng_generator"  # job.scratch: a lean-loop row's generator
+
 
 class OmniARStage(TransformersARStage):
     """An AR stage of Qwen2.5-Omni: ``generate`` per request, on the stream the previous stage left.
 
-    Jobs run one at a time (the talker's rope offsets live on the model between calls), so a request's
-    tokens never depend on what else is queued; ``max_num_seqs`` bounds how many a batch takes.
+    Through ``generate`` jobs run one at a time (the talker's forward keeps rope offsets on its model
+    between calls), so a request's tokens never depend on what else is queued. A stage
+    with a lean decoder (the talker, engine/pipelines/qwen_omni/talker_decoder.py) decodes its rows
+    together instead, each row drawing from a generator that continues the stream handed to it
+    (:meth:`row_generator`) and handing on that generator's state (:meth:`finish`).
+    ``prepare_job`` returns None for a job with nothing to generate (a silent reply).
     """
 
-    def prepare_job(self, job: StageJob) -> ARInputs | None:
-        """The job's generate inputs, or None when it has nothing to generate (a silent reply)."""
-        return self.prepare(job)
+    def row_generator(self, job: StageJob, device: torch.device) -> torch.Generator:
+        """The lean loop's generator for the row: the RNG state the previous stage handed on (what the
+        global RNG holds in ``_run_one`` before ``generate``), else the seed's."""
+        state = job.inputs.get("rng_state")
+        if state is None:
+            generator = super().row_generator(job, device)
+        else:
+            generator = torch.Generator(device=device)
+            generator.set_state(state[device.type])
+        job.scratch[GENERATOR_KEY] = generator
+        return generator
+
+    def finish(self, job: StageJob, generated: torch.Tensor, prepared: ARInputs) -> dict[str, Any]:
+        """A lean-loop row's outputs: :meth:`outputs` and the RNG state after its last draw, as the global
+        RNG holds it after ``generate`` (a greedy row draws nothing: the state it was handed)."""
+        generator: torch.Generator | None = job.scratch.pop(GENERATOR_KEY, None)
+        if generator is None:
+            generator = self.row_generator(job, prepared.model_inputs["input_ids"].device)
+            job.scratch.pop(GENERATOR_KEY, None)
+        after = {generator.device.type: generator.get_state()}
+        return {**self.outputs(job, generated, prepared, None), "rng_state": after}
 
     def outputs(
         self, job: StageJob, generated: torch.Tensor, prepared: ARInputs, result: Any
