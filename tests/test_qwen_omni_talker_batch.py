@@ -9,6 +9,7 @@ this machine's own kernels and on the guarded fallbacks.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator
 from typing import Any, cast
@@ -21,6 +22,7 @@ from engine import GenerationParams, GenerationRequest, RunFinished
 from engine.engine import OmniEngine, build_engine
 from engine.events import StageFinished
 from engine.pipelines.qwen_omni.checkpoint import rng_state, set_rng_state
+from engine.pipelines.qwen_omni.talker_decoder import TalkerDecoder
 from engine.stages.ar_sampling import sampling_kwargs
 from engine.stages.ar_transformers import GLOBAL_RNG_LOCK
 from engine.stages.row_plan import REFUSE_ENV
@@ -227,3 +229,12 @@ def test_a_greedy_talker_hands_on_the_stream_it_was_given(session_data_dir):
     assert codes.numel() > 0 and codes.tolist() == expected.tolist()
     assert torch.equal(outputs["rng_state"]["cpu"], after)
     assert torch.equal(after, job.inputs["rng_state"]["cpu"])
+
+
+def test_the_lean_decoder_is_offered_only_where_it_was_checked(omni):
+    """float32 on a CPU: the talker is a concurrent (continuous-batching) runner; another dtype keeps
+    ``generate`` (the decoder declines it, and copies no weights for it)."""
+    runner = omni.runners[TALKER]
+    assert runner.concurrent and runner.fast_decoder() is not None
+    half = TalkerDecoder(copy.deepcopy(runner.model).to(torch.bfloat16))
+    assert not half.usable and half.layers == []

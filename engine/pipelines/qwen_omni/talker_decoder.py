@@ -134,7 +134,9 @@ class TalkerDecoder:
         self.slabs: dict[int, KVSlab] = {}
         self.row_plan: RowPlan | None = None
         self._slots_checked: dict[tuple[int, int, int], bool] = {}
-        self.layers = [_LayerPlan.of(layer) for layer in self.text.layers]
+        # Per layer: q, k and v in one product, gate and up in another (copies of those weights: made only
+        # where the decoder runs).
+        self.layers = [_LayerPlan.of(layer) for layer in self.text.layers] if self.usable else []
         norm = self.text.norm
         self.final_norm = RowWise(
             "final_norm", _norm_of(norm), config.hidden_size, norm.weight.dtype, device=norm.weight.device
