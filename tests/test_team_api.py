@@ -105,6 +105,15 @@ def test_each_user_has_their_own_key_runs_and_files_and_a_revoke_takes_effect_at
         assert output(url, keys["root"], alice_sha).status_code == 200
         assert output(url, keys["root"], bob_sha).status_code == 200
 
+        # A request refused before it ran is recorded too, as its user's.
+        refused = httpx.post(
+            f"{url}/v1/images/generations",
+            json={**GEN, "prompt": "alice's refused one", "num_inference_steps": 10**6},
+            headers={"Authorization": f"Bearer {keys['alice']}"},
+            timeout=60,
+        )
+        assert refused.status_code == 400, refused.text
+
         # A job sent with alice's key is alice's: bob neither lists, reads nor cancels it; the admin sees it.
         def jobs(key: str, path: str = "", method: str = "GET", **kw) -> httpx.Response:
             headers = {"Authorization": f"Bearer {key}"}
@@ -130,6 +139,7 @@ def test_each_user_has_their_own_key_runs_and_files_and_a_revoke_takes_effect_at
         mine = json.loads(cli(capsys, db, data, "history", "ls", "--json", "--user", "alice"))
         assert alice_run in [run["id"] for run in mine] and {run["owner"] for run in mine} == {"alice"}
         assert "alice grid" in {run["prompt"] for run in mine}  # the job's cell: alice's run too
+        assert "alice's refused one" in {run["prompt"] for run in mine}
 
         # Revoked from the CLI (another process): the running server refuses the key from the next request.
         key_id = keys["alice"].split("_")[1]

@@ -332,14 +332,12 @@ def launch_ui(settings: StudioSettings) -> int:
 def has_accounts(settings: StudioSettings) -> bool:
     """Whether the run store has accounts (then the UI logs in each user: docs/team.md). One look before the
     engine loads: the share login and key are settled from it."""
-    from studio.store import StoreError, open_store
-    from studio.store.accounts import AccountStore
+    from studio.store.accounts import accounts_exist
 
     try:
-        with open_store(settings.db_url, settings.data_dir) as store:
-            return AccountStore(store).any_users()
-    except StoreError as exc:
-        raise StartupError(str(exc)) from exc
+        return accounts_exist(settings.db_url, settings.data_dir)
+    except ValueError as exc:  # not a database URL: the store's opening reports it
+        raise StartupError(f"cannot use run database {settings.db_url!r}: {exc}") from exc
 
 
 def ui_login(accounts: Any, operator: tuple[str, str] | None) -> Callable[[str, str], Any]:

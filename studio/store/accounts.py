@@ -10,16 +10,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import exists, func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import exists, func, inspect, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from studio.store.models import ApiKey, Output, Run, User, table_of, utcnow
 from studio.store.records import iso
+from studio.store.schema import create_store_engine, default_url
 from studio.store.store import RunStore
 
 _users, _keys = table_of(User), table_of(ApiKey)
+
+
+def accounts_exist(url: str | None, data_dir: Path) -> bool:
+    """Whether the run store at ``url`` (default: the data dir's SQLite) has accounts, read without opening
+    the store (no migration, no journal replay): what start-up asks before it settles the share login.
+    A database that cannot be read answers no: the store's own opening then reports why."""
+    engine = create_store_engine(url or default_url(Path(data_dir).expanduser()))
+    try:
+        with engine.connect() as connection:
+            if "users" not in inspect(connection).get_table_names():
+                return False
+            return bool(connection.scalar(select(exists().where(_users.c.id.is_not(None)))))
+    except SQLAlchemyError:
+        return False
+    finally:
+        engine.dispose()
 
 
 class AccountError(ValueError):

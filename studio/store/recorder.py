@@ -29,6 +29,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from engine.config import PipelineConfig
 from engine.request import ResolvedRequest
+from studio.accounts.identity import current_user
 from studio.store.journal import Journal, apply_entries, journal_dir
 from studio.store.models import RUN_SOURCES
 from studio.store.payloads import REFUSED_TEXT_KEPT, compact_payload, prompt_of
@@ -314,11 +315,13 @@ class RunRecorder:
         fingerprint: str | None,
         status: str = "failed",
         replay_of: str | None = None,
+        user: str | None = None,
     ) -> str:
         """Record a request refused before the engine ran it (bad field, unknown model, queue full...).
 
         Nothing a client sends is lost: the run shows in history as failed with the error text.
-        ``replay_of``: the run a refused replay was replaying.
+        ``replay_of``: the run a refused replay was replaying. ``user``: the account it belongs to, by
+        default the one the current API request authenticated as (docs/team.md).
         """
         if source not in RUN_SOURCES:
             raise ValueError(f"source must be one of {', '.join(RUN_SOURCES)}, got {source!r}")
@@ -342,6 +345,9 @@ class RunRecorder:
             "created_at": created,
             "replay_of": replay_of,
         }
+        user = user if user is not None else current_user()
+        if user is not None:
+            values["user_name"] = user
         self.submit_write(f"record rejected request {run_id}", "create_run", run_id, values)
         finish = {"run_id": run_id, "status": status, "error": error, "at": created}
         self.submit_write(f"finish rejected request {run_id} as {status}", "finish_run", run_id, finish)

@@ -264,6 +264,9 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             f"count); showing {shown:,}."
         )
 
+    def account_of(identity: Identity) -> str | None:
+        return identity.name if identity.accounts else None  # no accounts: runs belong to no one
+
     def visitor(request: gr.Request | None) -> Identity:
         return studio.identity(getattr(request, "username", None))
 
@@ -381,7 +384,7 @@ def build_history_tab(studio: Studio) -> dict[str, Any]:
             resolved,
             {"rerun_of": full, "parameters": original.parameters},
             session=request.session_hash,
-            user=visitor(request).name,
+            user=account_of(visitor(request)),
         )
         async for rid, event in runs:
             if isinstance(event, RunFinished):
