@@ -232,6 +232,20 @@ def test_share_with_accounts_generates_no_login_and_says_so(
             f"{server.url}/login", data={"username": "alice", "password": "nope nope"}, timeout=30
         )
         assert wrong.status_code == 400
+        # Repeating one wrong password is throttled (the login guard, as for wrong API keys); the right
+        # password from the same address still works at once.
+        statuses = [
+            httpx.post(f"{server.url}/login", data={"username": "alice", "password": "nope nope"}, timeout=30)
+            for _ in range(5)
+        ]
+        assert [r.status_code for r in statuses] == [400, 400, 400, 400, 429]
+        assert int(statuses[-1].headers["Retry-After"]) > 0
+        again = httpx.post(
+            f"{server.url}/login",
+            data={"username": "alice", "password": "a long enough password"},
+            timeout=30,
+        )
+        assert again.status_code == 200, again.text
         assert httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 401
         models = httpx.get(
             f"{server.url}/v1/models", headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=30
