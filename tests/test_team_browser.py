@@ -149,7 +149,27 @@ def test_each_user_sees_their_own_history_and_the_admin_all(browser: Any, studio
         everyone = history_text(root, "bob's green triangle")
         assert "alice's red circle" in everyone and "bob's blue square" in everyone
         assert "owner" in everyone and "alice" in everyone and "bob" in everyone
+
+        # The admin manages the accounts in the Serving tab: a new user logs in at once.
+        open_tab(root, "Serving")
+        root.click("#omni-users button")  # the accordion
+        wait_text(root, "#omni-users-table", "alice")
+        root.fill("#omni-user-name textarea, #omni-user-name input", "carol")
+        root.fill("#omni-user-password input, #omni-user-password textarea", "carol's passphrase")
+        root.click("#omni-user-add")
+        wait_text(root, "#omni-users-status", "Added user carol")
+        carol = log_in(browser, studio.url, "carol", "carol's passphrase")
+        open_tab(carol, "History")  # a new user's History is empty: nobody else's runs
+        wait_text(carol, "#omni-h-count", "0 run(s) match")
+        carol.context.close()
         root.context.close()
+        # A user may not.
+        open_tab(alice, "Serving")
+        alice.click("#omni-users button")
+        alice.fill("#omni-user-name textarea, #omni-user-name input", "mallory")
+        alice.fill("#omni-user-password input, #omni-user-password textarea", "mallory's passphrase")
+        alice.click("#omni-user-add")
+        wait_text(alice, "#omni-users-status", "Only an admin may manage accounts")
     finally:
         alice.context.close()
         bob.context.close()

@@ -12,6 +12,7 @@ import gradio as gr
 
 from studio.api.fingerprint import FINGERPRINT_MODES, FingerprintError
 from studio.controller import API_KEY_ENV, Studio
+from studio.ui.accounts_admin import build_accounts_admin
 from studio.ui.user_keys import build_user_keys
 
 
@@ -94,6 +95,7 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
             set_key = gr.Button("Set API key")
             key_status = gr.Markdown("")
             user_keys = build_user_keys(studio)
+            users = build_accounts_admin(studio)
         with gr.Column():
             gr.Markdown("### Endpoint")
             share = gr.Markdown(share_markdown(studio), elem_id="omni-share")
@@ -145,7 +147,16 @@ def build_serving_tab(studio: Studio) -> dict[str, Any]:
             python_v,
             key_hint_markdown(studio),
             *user_keys["refresh"](request),
+            *users["refresh"](request),
         )
 
-    outputs = [fingerprint, share, curl, python, key_hint, *user_keys["refresh_outputs"]]
+    outputs = [
+        fingerprint,
+        share,
+        curl,
+        python,
+        key_hint,
+        *user_keys["refresh_outputs"],
+        *users["refresh_outputs"],
+    ]
     return {"refresh": refresh, "refresh_outputs": outputs}
