@@ -95,6 +95,12 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "GLM-Image architecture trained on a world of coloured shapes (draws what you ask)",
             None,
         ),
+        BuiltinModel(
+            "tiny-qwen-omni-dtmf",
+            "qwen-omni",
+            "Qwen2.5-Omni architecture trained to dial: `dial 4 1 7` replies the keys and speaks their DTMF tones",
+            None,
+        ),
     )
 }
 DEFAULT_MODEL = "tiny-glm-image"
