@@ -34,11 +34,11 @@ PROMPTS = ["say hello", "count to three", "name a colour", "good morning"]
 
 
 class TalkerSpy:
-    """Records, per request, the talker's job, its prepared inputs, the codes it made and its outputs (the
-    stage's ``finish``, called when a lean-loop row ends)."""
+    """Records, per request, the talker's (or ``stage``'s) job, its prepared inputs, the ids it made and
+    its outputs (the stage's ``finish``, called when a lean-loop row ends)."""
 
-    def __init__(self, engine: OmniEngine) -> None:
-        self.runner = cast(Any, engine.runners[TALKER])
+    def __init__(self, engine: OmniEngine, stage: int = TALKER) -> None:
+        self.runner = cast(Any, engine.runners[stage])
         self.rows: dict[str, tuple[Any, Any, torch.Tensor, dict[str, Any]]] = {}
         self.lock = threading.Lock()
         original = self.runner.finish
@@ -70,11 +70,11 @@ def speak(seed: int, voice: str | None = None, prompt: str = PROMPTS[0]) -> Gene
     return GenerationRequest(prompt, GenerationParams(seed=seed, voice=voice))
 
 
-def run(engine: OmniEngine, request: GenerationRequest) -> tuple[RunFinished, int]:
-    """The request's finished run and the most rows one of its talker decode steps held."""
+def run(engine: OmniEngine, request: GenerationRequest, stage: int = TALKER) -> tuple[RunFinished, int]:
+    """The request's finished run and the most rows one of its talker (``stage``) decode steps held."""
     step_rows, finished = 0, None
     for event in engine.stream(engine.resolve(request)):
-        if isinstance(event, StageFinished) and event.stage_id == TALKER:
+        if isinstance(event, StageFinished) and event.stage_id == stage:
             step_rows = event.step_rows
         if isinstance(event, RunFinished):
             finished = event
@@ -120,10 +120,12 @@ def test_lean_loop_codes_and_rng_state_are_generates(omni, seed, voice):
     assert not torch.equal(after, job.inputs["rng_state"]["cpu"])  # the talker did draw
 
 
-def crowd(engine: OmniEngine, requests: list[GenerationRequest]) -> tuple[list[RunFinished], list[int]]:
-    """The requests from 8 threads at once. The talker's decode thread is held at its first report until
-    all of them have reached the talker, so they decode in shared steps (no sleeps: events only)."""
-    runner = cast(Any, engine.runners[TALKER])
+def crowd(
+    engine: OmniEngine, requests: list[GenerationRequest], stage: int = TALKER
+) -> tuple[list[RunFinished], list[int]]:
+    """The requests from 8 threads at once. The talker's (``stage``'s) decode thread is held at its first
+    report until all of them have reached it, so they decode in shared steps (no sleeps: events only)."""
+    runner = cast(Any, engine.runners[stage])
     arrived = threading.Semaphore(0)
     all_in = threading.Event()
     original_submit, original_emit = runner.submit, runner.emit_delta
@@ -140,7 +142,7 @@ def crowd(engine: OmniEngine, requests: list[GenerationRequest]) -> tuple[list[R
     results: list[Any] = [None] * len(requests)
 
     def one(i: int) -> None:
-        results[i] = run(engine, requests[i])
+        results[i] = run(engine, requests[i], stage)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
     try:

@@ -299,6 +299,7 @@ class TransformersARStage(StageRunner):
                 return None
             row.on_done = done
             row.logits, row.state = decoder.prefill(prepared.model_inputs)
+            job.scratch["decode_state"] = row.state  # for finish (the Qwen2.5-Omni thinker's hidden states)
             return row
         except StageCancelled:
             done(StageStatus.CANCELLED, None)
@@ -394,6 +395,7 @@ class TransformersARStage(StageRunner):
         options = self.lean_options(prepared)
         if options is None or not decoder.supports(prepared.model_inputs):
             return None
+        custom = LogitsProcessorList(options.pop("logits_processor", None) or [])  # generate's argument
         model = self.model
         kwargs = {**sampling_kwargs(job.params), **self._generation_limits(job, prepared), **options}
         config, unused = self._generation_config(kwargs)
@@ -405,7 +407,7 @@ class TransformersARStage(StageRunner):
             generation_config=config,
             input_ids_seq_length=prepared.prompt_length,
             encoder_input_ids=input_ids,
-            logits_processor=LogitsProcessorList(),
+            logits_processor=custom,
             device=input_ids.device,
             model_kwargs={},
         )

@@ -5,8 +5,8 @@ the talker's and code2wav's starting noise from one RNG stream, seeded once. The
 stream: the thinker seeds it with the request's seed, each stage hands its RNG state to the next with
 its outputs (``rng_state``), and the next stage continues from it. So the split pipeline makes the
 one-shot's samples, whatever ran between the stages (docs/speech.md, "Stages and hand-offs"). The
-thinker runs ``generate`` one request at a time; the talker decodes its requests together in the lean
-loop, each row on a generator of its own that continues the stream it was handed.
+thinker and the talker decode their requests together in the lean loop, each row on a generator of its
+own that starts (the thinker) or continues (the talker) the stream, and hands its state on.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from engine.stages.base import StageCancelled, StageJob, intra_op_threads_for
 from engine.streaming import publish_partial
 
 GENERATOR_KEY = "rng_generator"  # job.scratch: a lean-loop row's generator
+DECODE_STATE_KEY = "decode_state"  # job.scratch: a lean-loop row's decoder state (ar_transformers)
 
 
 class OmniARStage(TransformersARStage):
@@ -32,9 +33,9 @@ class OmniARStage(TransformersARStage):
 
     Through ``generate`` jobs run one at a time (the talker's forward keeps rope offsets on its model
     between calls), so a request's tokens never depend on what else is queued. A stage
-    with a lean decoder (the talker, engine/pipelines/qwen_omni/talker_decoder.py) decodes its rows
-    together instead, each row drawing from a generator that continues the stream handed to it
-    (:meth:`row_generator`) and handing on that generator's state (:meth:`finish`).
+    with a lean decoder (talker_decoder.py, thinker_decoder.py in engine/pipelines/qwen_omni) decodes its
+    rows together instead, each row drawing from a generator that continues the stream handed to it, else
+    the seed's (:meth:`row_generator`) and handing on that generator's state (:meth:`finish`).
     ``prepare_job`` returns None for a job with nothing to generate (a silent reply).
     """
 
@@ -51,19 +52,22 @@ class OmniARStage(TransformersARStage):
         return generator
 
     def finish(self, job: StageJob, generated: torch.Tensor, prepared: ARInputs) -> dict[str, Any]:
-        """A lean-loop row's outputs: :meth:`outputs` and the RNG state after its last draw, as the global
-        RNG holds it after ``generate`` (a greedy row draws nothing: the state it was handed)."""
+        """A lean-loop row's outputs: :meth:`outputs` (given the row's decode state) and the RNG state
+        after its last draw, as the global RNG holds it after ``generate`` (a greedy row draws nothing:
+        the state it was handed, or the seed's)."""
         generator: torch.Generator | None = job.scratch.pop(GENERATOR_KEY, None)
         if generator is None:
             generator = self.row_generator(job, prepared.model_inputs["input_ids"].device)
             job.scratch.pop(GENERATOR_KEY, None)
         after = {generator.device.type: generator.get_state()}
-        return {**self.outputs(job, generated, prepared, None), "rng_state": after}
+        state = job.scratch.pop(DECODE_STATE_KEY, None)
+        return {**self.outputs(job, generated, prepared, state), "rng_state": after}
 
     def outputs(
         self, job: StageJob, generated: torch.Tensor, prepared: ARInputs, result: Any
     ) -> dict[str, Any]:
-        """What the stage hands on besides its streamed deltas (``result``: what generate returned)."""
+        """What the stage hands on besides its streamed deltas (``result``: what generate returned, or
+        a lean-loop row's decode state)."""
         return dict(prepared.extra_outputs)
 
     def empty_outputs(self, job: StageJob) -> dict[str, Any]:

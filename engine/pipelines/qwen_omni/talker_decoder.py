@@ -11,7 +11,7 @@ own ``rope_deltas`` branch never runs under it: the text model counts positions 
 
 - prefill is the model's own forward, alone, with what ``generate``'s first forward gets; its cache moves
   into a :class:`KVSlab` slot, and the rotary tables of every code to come are computed once;
-- a step runs the talker's decoder layers directly, op for op ``Qwen2_5OmniDecoderLayer.forward``: the
+- a step runs the talker's decoder layers directly (engine/pipelines/qwen_omni/omni_decode.py), op for op ``Qwen2_5OmniDecoderLayer.forward``: the
   row-wise functions (input projection, q/k/v, output and MLP products, norms, activation, codec head) on
   fixed tiles of rows through :class:`RowPlan` with its guarded fallbacks, attention once per slab.
 
@@ -22,87 +22,15 @@ attention tail differs from ``generate``'s in the last bits, as for GLM-Image; t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from engine.stages.decode_slabs import KVSlab, SlabRow, bucket_length, slots_independent
-from engine.stages.row_plan import RowPadding, RowPlan, RowWise, padded_length
-
-
-def _norm_of(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``Qwen2_5OmniRMSNorm.forward`` on float32 rows as ``torch.rms_norm`` (the same ops, bit-identical
-    in float32; the decoder runs float32 models only)."""
-    shape, weight, eps = list(norm.weight.shape), norm.weight, norm.variance_epsilon
-    return lambda x: torch.rms_norm(x, shape, weight, eps)
-
-
-def _activation_of(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP's activation: SiLU's kernel itself (what its module calls), else the module."""
-    kind = type(module)
-    silu = kind is torch.nn.SiLU or (
-        kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
-    )
-    return cast("Callable[[torch.Tensor], torch.Tensor]", torch._C._nn.silu if silu else module)
-
-
-@dataclass(frozen=True)
-class _LayerPlan:
-    """One talker decoder layer's row-wise functions (engine/stages/row_plan.py runs each on tiles)."""
-
-    input_norm: RowWise
-    qkv: RowWise  # q, k and v concatenated: one product
-    scaling: float
-    o_proj: RowWise
-    post_attention_norm: RowWise
-    gate_up: RowWise  # gate and up concatenated: one product
-    activation: RowWise  # (rows, 2 x intermediate) -> (rows, intermediate): act(gate) * up
-    down: RowWise
-
-    @classmethod
-    def of(cls, layer: Any) -> _LayerPlan:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        biases = [p.bias for p in projections]
-        qkv_bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
-        width = attn.o_proj.weight.shape[0]
-        act = _activation_of(mlp.act_fn)
-
-        def activation(x: torch.Tensor) -> torch.Tensor:
-            gate, up = x.chunk(2, dim=-1)
-            return act(gate) * up
-
-        def norm(name: str, module: Any) -> RowWise:
-            return RowWise(name, _norm_of(module), width, module.weight.dtype, device=module.weight.device)
-
-        gate_up = [mlp.gate_proj, mlp.up_proj]
-        gate_up_bias = [p.bias for p in gate_up]
-        return cls(
-            input_norm=norm("input_norm", layer.input_layernorm),
-            qkv=RowWise.product("qkv", torch.cat([p.weight for p in projections]), qkv_bias),
-            scaling=attn.scaling,
-            o_proj=RowWise.product("o_proj", attn.o_proj.weight, attn.o_proj.bias),
-            post_attention_norm=norm("post_attention_norm", layer.post_attention_layernorm),
-            gate_up=RowWise.product(
-                "gate_up",
-                torch.cat([p.weight for p in gate_up]),
-                None if any(b is None for b in gate_up_bias) else torch.cat(gate_up_bias),
-            ),
-            activation=RowWise(
-                "activation",
-                activation,
-                2 * mlp.gate_proj.weight.shape[0],
-                mlp.gate_proj.weight.dtype,
-                device=mlp.gate_proj.weight.device,
-            ),
-            down=RowWise.product("down", mlp.down_proj.weight, mlp.down_proj.bias),
-        )
-
-    def functions(self) -> list[RowWise]:
-        return [value for f in fields(self) if isinstance(value := getattr(self, f.name), RowWise)]
+from engine.pipelines.qwen_omni.omni_decode import OmniSlabDecoder
+from engine.stages.decode_slabs import SlabRow
+from engine.stages.row_plan import RowWise
 
 
 @dataclass(eq=False)
@@ -113,39 +41,16 @@ class TalkerRow:
     reply: torch.Tensor  # (rows, embedding_size)
 
 
-class TalkerDecoder:
+class TalkerDecoder(OmniSlabDecoder):
     """The lean decode step of ``Qwen2_5OmniTalkerForConditionalGeneration`` (float32 on a CPU)."""
 
     def __init__(self, model: Any, max_rows: int = 8) -> None:
-        self.model = model
-        self.text = model.model
-        self.max_rows = max(1, max_rows)
-        config = self.text.config
-        weight = model.codec_head.weight
-        self.usable = (
-            config._attn_implementation == "sdpa"
-            and config.num_attention_heads % config.num_key_value_heads == 0
-            and not getattr(config, "use_sliding_window", False)
-            and all(kind == "full_attention" for kind in config.layer_types)
-            and weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-            and not model.training
-        )
-        self.slabs: dict[int, KVSlab] = {}
-        self.row_plan: RowPlan | None = None
-        self._slots_checked: dict[tuple[int, int, int], bool] = {}
-        # Per layer: q, k and v in one product, gate and up in another (copies of those weights: made only
-        # where the decoder runs).
-        self.layers = [_LayerPlan.of(layer) for layer in self.text.layers] if self.usable else []
-        norm = self.text.norm
-        self.final_norm = RowWise(
-            "final_norm", _norm_of(norm), config.hidden_size, norm.weight.dtype, device=norm.weight.device
-        )
+        super().__init__(model, model.model, model.codec_head, "codec_head", max_rows)
         proj = model.thinker_to_talker_proj
         self.input_proj = RowWise.product("input_proj", proj.weight, proj.bias)
-        self.codec_head = RowWise.product("codec_head", weight, model.codec_head.bias)
-        self.padding = RowPadding()
-        self._perm: torch.Tensor | None = None
+
+    def extra_functions(self) -> list[RowWise]:
+        return [self.input_proj]
 
     def supports(self, model_inputs: dict[str, Any]) -> bool:
         mask = model_inputs.get("attention_mask")
@@ -161,44 +66,6 @@ class TalkerDecoder:
             and not model_inputs.get("use_audio_in_video")
             and (mask is None or bool(mask.all()))
         )
-
-    def plan_rows(self) -> RowPlan:
-        """Chosen on first use by checks of layer 0's functions, the final norm, the codec head and the
-        input projection (every layer has the same shapes), then given to every layer."""
-        if self.row_plan is None:
-            first, *rest = self.layers
-            checked = [*first.functions(), self.final_norm, self.codec_head, self.input_proj]
-            plan = RowPlan.choose(checked, self.max_rows)
-            for layer in rest:
-                plan.apply(layer.functions())
-            self.row_plan = plan
-        return self.row_plan
-
-    @property
-    def decode_path(self) -> str:
-        if self.row_plan is None:
-            return "batched (its kernel checks run at the first decode step)"
-        text = self.row_plan.describe()
-        if any(not ok for ok in self._slots_checked.values()):
-            text += "; attention slot by slot"
-        return text
-
-    def _slab(self, length: int, rotary: int, like: torch.Tensor) -> KVSlab:
-        slab = self.slabs.get(length)
-        if slab is None:
-            config = self.text.config
-            kv_heads, head_dim = like.shape[1], like.shape[-1]
-            slab = KVSlab.allocate(
-                config.num_hidden_layers, kv_heads, head_dim, length, rotary, like.dtype, like.device
-            )
-            shape = (length, kv_heads, head_dim)
-            if shape not in self._slots_checked:
-                self._slots_checked[shape] = slots_independent(
-                    slab, config.num_attention_heads, head_dim, self.max_rows
-                )
-            slab.per_slot = not self._slots_checked[shape]
-            self.slabs[length] = slab
-        return slab
 
     def prefill(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, TalkerRow]:
         """``generate``'s first forward (the model's own, alone): no attention mask (``generate`` drops an
@@ -219,41 +86,14 @@ class TalkerDecoder:
             return_dict=True,
         )
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-        cache = out.past_key_values
-        filled = cache.get_seq_length()
-        steps = int(model_inputs["max_new_tokens"])
-        positions = (torch.arange(steps, device=logits.device) + filled).view(1, 1, -1).expand(3, 1, -1)
-        cos, sin = self.text.rotary_emb(logits, position_ids=positions)  # (1, steps, rotary)
-        half = cos.shape[-1] // 2
-        # rotate_half(x) * sin == x[..., perm] * (sign * sin), exactly: the sign flip is exact in floats.
-        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(dtype=sin.dtype, device=sin.device)
-        keys = [layer.keys for layer in cache.layers]
-        slab = self._slab(bucket_length(filled + steps), cos.shape[-1], keys[0])
-        row = slab.add(keys, [layer.values for layer in cache.layers], cos[0], sin[0] * sign)
+        row = self.add_row(out.past_key_values, int(model_inputs["max_new_tokens"]), logits)
         return logits, TalkerRow(row, model_inputs["thinker_reply_part"][0])
 
     def release(self, state: Any) -> None:
-        row = cast(TalkerRow, state).cache
-        slab = row.slab
-        if slab is None:
-            return
-        slab.remove(row)
-        if not slab.rows:
-            self.slabs.pop(slab.length, None)
-
-    def _rotate_half_index(self, rotary: int, device: torch.device) -> torch.Tensor:
-        if self._perm is None or self._perm.numel() != rotary or self._perm.device != device:
-            half = rotary // 2
-            self._perm = torch.cat([torch.arange(half, rotary), torch.arange(half)]).to(device)
-        return self._perm
+        self.release_row(cast(TalkerRow, state).cache)
 
     def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
-        tile = self.plan_rows().tile
         talker_rows = cast("list[TalkerRow]", states)
-        rows = [state.cache for state in talker_rows]
-        for row in rows:
-            if row.slab is None or row.length >= row.slab.length:
-                raise RuntimeError("talker decode ran past its cache (or a released row was stepped)")
         # Each row's step input: its last code's embedding plus its next reply row (the last one again
         # once they run out), as the model's forward adds them.
         replies = [
@@ -262,97 +102,5 @@ class TalkerDecoder:
         ]
         reply = replies[0][None] if len(replies) == 1 else torch.stack(replies)
         embedded = F.embedding(tokens, self.text.embed_tokens.weight) + reply  # (B, embedding_size)
-        # Rows grouped by slab, each group in slot order; ``order`` maps the step's rows to the caller's.
-        identity = True
-        order = list(range(len(rows)))
-        if len(rows) > 1:
-            groups: dict[int, list[int]] = {}
-            for i, row in enumerate(rows):
-                groups.setdefault(id(row.slab), []).append(i)
-            order = [i for members in groups.values() for i in sorted(members, key=lambda i: rows[i].slot)]
-            identity = order == list(range(len(rows)))
-            if not identity:
-                embedded = embedded[torch.tensor(order, device=embedded.device)]
-                rows, steps = [rows[i] for i in order], [steps[i] for i in order]
-        batch = len(rows)
-        device = embedded.device
-        spans: list[tuple[KVSlab, int, int, torch.Tensor | int, torch.Tensor | int, bool]] = []
-        cos_parts, sin_parts = [], []  # each (rows, 1, 1, rotary)
-        start = 0
-        while start < batch:
-            slab = cast(KVSlab, rows[start].slab)
-            end = start
-            while end < batch and rows[end].slab is slab:
-                end += 1
-            members = rows[start:end]
-            slots: torch.Tensor | int
-            positions: torch.Tensor | int
-            if len(members) == 1:
-                slots, positions, at = members[0].slot, members[0].length, steps[start]
-                cos_parts.append(slab.cos[slots : slots + 1, at : at + 1, None])
-                sin_parts.append(slab.sin[slots : slots + 1, at : at + 1, None])
-            else:
-                slots = torch.tensor([r.slot for r in members], device=device)
-                positions = torch.tensor([r.length for r in members], device=device)
-                index = torch.tensor(steps[start:end], device=device)
-                cos_parts.append(slab.cos[slots, index][:, None, None])
-                sin_parts.append(slab.sin[slots, index][:, None, None])
-            prefix = len(members) == len(slab.rows)
-            slab.open(slots, positions)
-            spans.append((slab, start, end, slots, positions, prefix))
-            start = end
-        cos = cos_parts[0] if len(cos_parts) == 1 else torch.cat(cos_parts)
-        sin = sin_parts[0] if len(sin_parts) == 1 else torch.cat(sin_parts)
-        rotary = cos.shape[-1]
-        perm = self._rotate_half_index(rotary, device)
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for q and k together
-            if rotary == x.shape[-1]:
-                return x * cos + x[..., perm] * sin
-            x_rot = x[..., :rotary]
-            return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
-
-        def attend(
-            layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-        ) -> torch.Tensor:
-            if len(spans) == 1:
-                slab, _, _, slots, positions, prefix = spans[0]
-                return slab.attend(layer, slots, positions, query, key, value, scale, prefix)
-            return torch.cat(
-                [
-                    slab.attend(layer, slots, positions, query[a:b], key[a:b], value[a:b], scale, prefix)
-                    for slab, a, b, slots, positions, prefix in spans
-                ]
-            )
-
-        # Row-wise functions on ``width`` rows (the batch padded to whole tiles); rotation and attention
-        # on the batch's rows only; (rows, heads, 1, head_dim) from the qkv product on.
-        width = padded_length(batch, tile)
-        pad = self.padding
-        config = self.text.config
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        qkv_heads, qk_heads = heads + 2 * kv_heads, heads + kv_heads
-        hidden = self.input_proj(pad(embedded, width), batch)  # thinker_to_talker_proj
-        for layer_index, plan in enumerate(self.layers):
-            residual = hidden
-            qkv = plan.qkv(plan.input_norm(hidden, batch), batch).view(width, qkv_heads, 1, -1)
-            qk, value = (qkv if batch == width else qkv[:batch]).split((qk_heads, kv_heads), dim=1)
-            query, key = rotate(qk).split((heads, kv_heads), dim=1)
-            attended = attend(layer_index, query, key, value, plan.scaling)
-            hidden = residual + plan.o_proj(pad(attended.reshape(batch, -1), width), batch)
-            residual = hidden
-            hidden = plan.down(
-                plan.activation(plan.gate_up(plan.post_attention_norm(hidden, batch), batch), batch), batch
-            )
-            hidden = residual + hidden
-        for row in rows:
-            row.length += 1
-        logits = self.codec_head(self.final_norm(hidden, batch), batch)
-        logits = logits[:batch] if batch < width else logits
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        if identity:
-            return logits
-        restored = torch.empty_like(logits)
-        restored[torch.tensor(order, device=device)] = logits
-        return restored
+        rows = [state.cache for state in talker_rows]
+        return self.run_rows(rows, embedded, steps, self.input_proj)[0]

@@ -22,8 +22,10 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from engine.events import FinishReason
 from engine.pipelines.qwen_omni.ar_stage import OmniARStage
 from engine.pipelines.qwen_omni.checkpoint import load_speakers, omni_config
+from engine.pipelines.qwen_omni.thinker_decoder import ThinkerDecoder, ThinkerRow
 from engine.request import RequestError
-from engine.stages.ar_transformers import ARInputs
+from engine.stages.ar_sampling import LEAN_PROCESSORS
+from engine.stages.ar_transformers import ARInputs, FastDecoder
 from engine.stages.base import StageJob
 
 if TYPE_CHECKING:
@@ -88,7 +90,16 @@ class ForcedReply(LogitsProcessor):
 
 
 class ThinkerStage(OmniARStage):
-    """Chat messages (+ audio clips) -> text (+ the talker's conditioning when speaking)."""
+    """Chat messages (+ audio clips) -> text (+ the talker's conditioning when speaking).
+
+    On a CPU in float32 the replies to text prompts decode together in the lean loop
+    (:class:`ThinkerDecoder`), each exactly as ``generate`` alone would, up to ``max_num_seqs`` per forward;
+    a prompt with audio in keeps ``generate``.
+    """
+
+    # speak_text's teacher forcing is a logits processor of generate's; the lean loop applies it too.
+    lean_processors = (*LEAN_PROCESSORS, ForcedReply)
+    _decoder: ThinkerDecoder | None = None
 
     def load(self) -> None:
         from transformers import (
@@ -121,7 +132,25 @@ class ThinkerStage(OmniARStage):
 
     def close(self) -> None:
         self.model = None
+        self._decoder = None
         super().close()
+
+    def fast_decoder(self) -> FastDecoder | None:
+        """The lean decoder where it was checked: a CPU, float32, sdpa attention (else ``generate``)."""
+        if self.model is None:
+            return None
+        if self._decoder is None or self._decoder.model is not self.model:
+            self._decoder = ThinkerDecoder(self.model, self.max_batch_size)
+        return self._decoder if self._decoder.usable else None
+
+    def lean_options(self, prepared: ARInputs) -> dict[str, Any] | None:
+        """speak_text's forcing processor; audio in (its features, ``use_audio_in_video``) keeps generate."""
+        kwargs = prepared.generate_kwargs
+        if set(kwargs) - {"use_audio_in_video", "logits_processor", "return_dict_in_generate"}:
+            return None
+        if kwargs.get("use_audio_in_video"):
+            return None
+        return {"logits_processor": kwargs["logits_processor"]} if "logits_processor" in kwargs else {}
 
     def decode(self, ids: torch.Tensor) -> str:
         return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -163,8 +192,12 @@ class ThinkerStage(OmniARStage):
                     f"prompt ({prompt_len} tokens) + max_tokens ({max_new}) exceeds the model length "
                     f"{max_len}",
                 )
+        # The budget is also the lean decoder's cache capacity; hidden states are the forward's argument
+        # (the lean prefill's too) and generate's.
+        model_inputs["max_new_tokens"] = max_new
         if speak:
-            generate_kwargs.update(output_hidden_states=True, return_dict_in_generate=True)
+            model_inputs["output_hidden_states"] = True
+            generate_kwargs["return_dict_in_generate"] = True
         return ARInputs(model_inputs=model_inputs, max_new_tokens=max_new, generate_kwargs=generate_kwargs)
 
     def reply_ids(self, text: str) -> torch.Tensor:
@@ -244,16 +277,7 @@ class ThinkerStage(OmniARStage):
             raise RequestError(
                 "voice", f"the model has no voice {voice!r}; allowed: {', '.join(self.voice_bos)}"
             )
-        steps = result.hidden_states  # per forward: (embeddings, layer 1, ..., last layer), each (1, n, H)
-        # Per position: last hidden state + input embedding, as the talker reads them. Audio positions
-        # carry no text: their embeddings are zero for the talker (as the one-shot model clears them).
-        prompt_embeds = steps[0][0]
-        if "input_features" in prepared.generate_kwargs:
-            audio = prepared.model_inputs["input_ids"][0] == self.audio_id
-            prompt_embeds = prompt_embeds.masked_fill(audio[None, :, None], 0.0)
-        rows = torch.cat([steps[0][-1] + prompt_embeds, *(step[-1] + step[0] for step in steps[1:])], dim=1)[
-            0
-        ]
+        rows = self.latent(prepared, result)
         embed = self.model.get_input_embeddings()
         bos = self.voice_bos[voice]
         ids = torch.tensor([bos, *self.text_ids], device=self.device)
@@ -267,3 +291,19 @@ class ThinkerStage(OmniARStage):
             "speech_text_embeds": embed(ids).detach().cpu(),
             "stop_token_ids": [] if stops is None else torch.as_tensor(stops).reshape(-1).tolist(),
         }
+
+    def latent(self, prepared: ARInputs, result: Any) -> torch.Tensor:
+        """Per position computed (the prompt, then every reply token but the last): last hidden state +
+        input embedding, as the talker reads them, (positions, H). ``result``: generate's output or a
+        lean-loop row's :class:`ThinkerRow` (text prompts only)."""
+        if isinstance(result, ThinkerRow):
+            return result.latent_rows()
+        steps = result.hidden_states  # per forward: (embeddings, layer 1, ..., final norm), each (1, n, H)
+        # Audio positions carry no text: their embeddings are zero for the talker (as the one-shot model
+        # clears them).
+        prompt_embeds = steps[0][0]
+        if "input_features" in prepared.generate_kwargs:
+            audio = prepared.model_inputs["input_ids"][0] == self.audio_id
+            prompt_embeds = prompt_embeds.masked_fill(audio[None, :, None], 0.0)
+        rows = [steps[0][-1] + prompt_embeds, *(step[-1] + step[0] for step in steps[1:])]
+        return torch.cat(rows, dim=1)[0]
