@@ -40,6 +40,7 @@ from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, i
 # The RNG is process-global: two AR stages (two engines in one process) must not interleave seeding.
 GLOBAL_RNG_LOCK = threading.Lock()
 PROGRESS_INTERVAL_S = 0.05
+DECODE_STATE = "decode_state"  # job.scratch: a lean row's decode state, for finish (the Omni thinker's)
 
 
 @dataclass
@@ -197,8 +198,8 @@ class TransformersARStage(StageRunner):
         return self.prepare(job)
 
     def lean_options(self, prepared: ARInputs) -> dict[str, Any] | None:
-        """The generation options of ``prepared.generate_kwargs`` for the lean loop's generation config,
-        or None when the loop cannot honour them (then ``generate``); default: none may be set."""
+        """The generation options of ``prepared.generate_kwargs`` for the lean loop's generation config (a
+        ``logits_processor``: generate's argument), or None for ``generate``; default: none may be set."""
         return None if prepared.generate_kwargs else {}
 
     def row_generator(self, job: StageJob, device: torch.device) -> torch.Generator:
@@ -299,7 +300,7 @@ class TransformersARStage(StageRunner):
                 return None
             row.on_done = done
             row.logits, row.state = decoder.prefill(prepared.model_inputs)
-            job.scratch["decode_state"] = row.state  # for finish (the Qwen2.5-Omni thinker's hidden states)
+            job.scratch[DECODE_STATE] = row.state
             return row
         except StageCancelled:
             done(StageStatus.CANCELLED, None)

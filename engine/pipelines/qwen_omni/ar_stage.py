@@ -17,6 +17,7 @@ import torch
 
 from engine.pipelines.qwen_omni.checkpoint import rng_state, set_rng_state
 from engine.stages.ar_transformers import (
+    DECODE_STATE,
     GLOBAL_RNG_LOCK,
     ARInputs,
     TransformersARStage,
@@ -25,7 +26,6 @@ from engine.stages.base import StageCancelled, StageJob, intra_op_threads_for
 from engine.streaming import publish_partial
 
 GENERATOR_KEY = "rng_generator"  # job.scratch: a lean-loop row's generator
-DECODE_STATE_KEY = "decode_state"  # job.scratch: a lean-loop row's decoder state (ar_transformers)
 
 
 class OmniARStage(TransformersARStage):
@@ -60,7 +60,7 @@ class OmniARStage(TransformersARStage):
             generator = self.row_generator(job, prepared.model_inputs["input_ids"].device)
             job.scratch.pop(GENERATOR_KEY, None)
         after = {generator.device.type: generator.get_state()}
-        state = job.scratch.pop(DECODE_STATE_KEY, None)
+        state = job.scratch.pop(DECODE_STATE, None)
         return {**self.outputs(job, generated, prepared, state), "rng_state": after}
 
     def outputs(
