@@ -15,13 +15,10 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from studio.api.auth import (
-    ui_login_configured,
-    ui_session_user,
-)
 from studio.api.authentication import accounts_on, check_output_visible
 from studio.api.errors import APIError, from_validation_error
 from studio.api.inputs import check_json_depth, check_json_text, decode_image_bytes
+from studio.api.metrics import metrics_reader, own_positions
 from studio.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -333,18 +330,9 @@ async def _jobs_grid(request: Request, state: ServingState) -> Response:
 
 
 async def _metrics(request: Request, state: ServingState) -> Response:
-    # Open while nothing is protected; once an API key or a UI login is set (always with --share), the key
-    # or a UI login session (Gradio's own cookie check) is needed: README, "--share".
-    if state.options.api_key or ui_login_configured(request):
-        if state.options.api_key and request.headers.get("authorization"):
-            state.check_api_key(request)
-        elif await ui_session_user(request) is None:
-            raise APIError(
-                401,
-                "The metrics need the API key ('Authorization: Bearer <key>') or a UI login",
-                None,
-                "missing_api_key",
-            )
+    # Open while nothing is protected; then a key (the --api-key, or an account's own) or a UI login:
+    # README, "--share"; docs/team.md ("/metrics").
+    owner = await metrics_reader(state, request)
     engine = state.engine
     if engine is None:
         body = state.metrics.render({}, 0)
@@ -353,10 +341,20 @@ async def _metrics(request: Request, state: ServingState) -> Response:
             engine.queue_depths(),
             engine.in_flight,
             engine.waiting_depths(),
-            engine.queue_positions(),
+            own_positions(engine.queue_positions(), _board_owner(state), owner),
             engine.decode_paths(),
         )
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _board_owner(state: ServingState) -> Callable[[str], str | None]:
+    """Who a request in the engine belongs to (``user:NAME``, ...; ``None``: no longer on the board)."""
+
+    def owner_of(request_id: str) -> str | None:
+        entry = state.board.get(request_id)
+        return entry.owner if entry is not None else None
+
+    return owner_of
 
 
 API_ROUTES: list[tuple[str, str, str, Endpoint, bool]] = [

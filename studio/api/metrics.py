@@ -1,11 +1,19 @@
 """Prometheus metrics for ``GET /metrics``: requests, latency, per-stage time, queue depth and each
 waiting request's place in its stage's queue; spoken replies' TTFP, RTF and underruns
-(``studio/api/speech_metrics.py``); and the process's own (CPU, memory, garbage collection)."""
+(``studio/api/speech_metrics.py``); and the process's own (CPU, memory, garbage collection).
+
+Who may read them (:func:`metrics_reader`): everyone while nothing is protected; once an API key, accounts
+or a UI login is set, the ``--api-key``, any account's own key, or a UI login. The figures are the
+studio's, for everyone alike, except the per-request queue positions: a user's key sees only their own
+requests there (docs/team.md)."""
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from typing import Any
 
+from fastapi import Request
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -17,6 +25,10 @@ from prometheus_client import (
 )
 
 from engine.events import StageFinished
+from studio.accounts.identity import NOBODY
+from studio.api.auth import ui_login_configured, ui_session_user
+from studio.api.authentication import accounts_on, authenticate
+from studio.api.errors import APIError
 from studio.api.speech_metrics import SpeechMeter
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -108,3 +120,44 @@ class APIMetrics:
         for stage, path in (decode_paths or {}).items():
             self.decode_path.labels(str(stage), path).set(1)
         return generate_latest(self.registry)
+
+
+async def metrics_reader(state: Any, request: Request) -> str | None:
+    """Check that ``request`` may read ``GET /metrics`` (401 otherwise); returns the owner (``user:NAME``)
+    whose requests alone are listed per request (``None``: every request's).
+
+    Open while nothing is protected. Once an ``--api-key``, accounts or a UI login is set (always with
+    ``--share``): the ``--api-key`` or, with accounts, any account's own key, or a UI login session
+    (Gradio's own cookie check). A user sees the studio's figures as the admin does, read-only and
+    aggregate; only the per-request queue positions are narrowed to their own requests (docs/team.md).
+    """
+    team = accounts_on(state)
+    keyed = bool(state.options.api_key) or team
+    if not keyed and not ui_login_configured(request):
+        return None
+    if keyed and request.headers.get("authorization"):
+        identity = authenticate(state, request)  # 401 for a wrong or revoked key, 429 when throttled
+        return None if identity is None or identity.sees_all else (identity.owner or f"user:{NOBODY}")
+    user = await ui_session_user(request)
+    if user is None:
+        raise APIError(
+            401,
+            "The metrics need an API key ('Authorization: Bearer <key>') or a UI login",
+            None,
+            "missing_api_key",
+        )
+    if not team:
+        return None
+    account = state.accounts.user(user)
+    if account is None:  # an account removed since it logged in (or the --auth login: it has --api-key)
+        return f"user:{NOBODY}"
+    return None if account.admin else f"user:{account.name}"
+
+
+def own_positions(
+    positions: dict[str, dict[int, int]], owner_of: Callable[[str], str | None], owner: str | None
+) -> dict[str, dict[int, int]]:
+    """The queue positions of ``owner``'s requests only (``None``: all of them)."""
+    if owner is None:
+        return positions
+    return {request_id: stages for request_id, stages in positions.items() if owner_of(request_id) == owner}
