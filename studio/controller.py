@@ -322,6 +322,16 @@ class Studio:
         """Who a UI visitor logged in as ``username`` is, and what they may see."""
         return identity_of_login(self.accounts, username, self.admin_user)
 
+    def admin_refusal(self, username: str | None, action: str) -> str | None:
+        """Why the UI visitor logged in as ``username`` may not ``action`` (``None``: they may). With
+        accounts only an admin changes what everyone runs: Apply, the model switch, a recipe's pipeline
+        (docs/team.md, "What only an admin does"); without accounts everyone may, as before."""
+        identity = self.identity(username)
+        if not identity.accounts or identity.admin:
+            return None
+        who = f"logged in as {identity.name}" if identity.name else "not logged in to an account"
+        return f"only an admin can {action}; {who}"
+
     # -- runs from the UI -----------------------------------------------------------------------
 
     def resolve(self, request: GenerationRequest) -> ResolvedRequest:

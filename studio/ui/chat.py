@@ -525,9 +525,12 @@ def build_chat_tab(studio: Studio) -> dict[str, Any]:
         lambda: ([], render_progress({}), None), None, [chatbot, progress, preview], api_visibility="private"
     )
 
-    def change_model(name: str):
+    def change_model(name: str, request: gr.Request):
         if not name or name == studio.model.name:
             return gr.skip()
+        refused = studio.admin_refusal(getattr(request, "username", None), "switch the model")
+        if refused:  # with accounts only an admin switches what everyone runs (docs/team.md)
+            return f"**Model not switched** — {refused}."
         report = studio.switch_model(name)
         if not report.ok:
             return "**Model not switched** — " + "; ".join(str(p) for p in report.problems)

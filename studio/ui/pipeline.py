@@ -1,5 +1,6 @@
 """The Pipeline tab: the running deploy config as YAML and as a per-stage form, validation with errors
-beside each stage, Apply (in-process engine rebuild; a failure keeps the old engine), presets, diff.
+beside each stage, Apply (in-process engine rebuild; a failure keeps the old engine; with accounts, an
+admin's only: docs/team.md), presets, diff.
 
 Each stage is named by its hand-offs as the CLI's bars are (``thinker``, ``talker``, ``code2wav`` for
 Qwen2.5-Omni) and shows its kind's sampling defaults: an AR stage's temperature, top_p, top_k, max_tokens
@@ -273,7 +274,14 @@ def build_pipeline_tab(studio: Studio) -> dict[str, Any]:
             shown += f"<pre class='omni-memory'>{html.escape(report.summary)}</pre>"
         return [shown, studio.diff_text(text), *form_updates(text, report)]
 
-    def on_apply(text: str):
+    def on_apply(text: str, request: gr.Request):
+        # With accounts only an admin rebuilds the engine everyone runs on (docs/team.md); Validate is open.
+        refused = studio.admin_refusal(getattr(request, "username", None), "apply a deploy config")
+        if refused:
+            shown = (
+                f"<div class='omni-invalid omni-refused'><b>Not applied</b> — {html.escape(refused)}.</div>"
+            )
+            return [shown, studio.diff_text(text), *[gr.skip()] * len(form_outputs)]
         report = studio.apply_text(text)
         return [report_html(report, applied=True), studio.diff_text(text), *form_updates(text, report)]
 

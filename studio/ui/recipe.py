@@ -1,6 +1,7 @@
 """The Chat tab's "Load recipe": drop a PNG saved by the studio (or by A1111), or a WAV or FLAC of a spoken
 run, and the prompt and parameters (a voice, what to reply with) come back into the form; the recipe's
-model and deploy config are one click away.
+model and deploy config are one click away (with accounts, an admin's click: docs/team.md). The note names
+the recorded run(s) the file came from that the visitor may see: a user's own, every run for an admin.
 
 Reading the PNG is ``studio.recipes.recipe.read_recipe`` (the same call as ``omni-studio run --recipe``);
 switching the pipeline is ``studio.recipes.runs.restore_pipeline`` over the controller. See docs/recipes.md.
@@ -14,9 +15,10 @@ from typing import Any
 
 import gradio as gr
 
+from studio.accounts.identity import Identity
 from studio.controller import Studio
 from studio.recipes.recipe import A1111, Recipe, RecipeError, read_recipe
-from studio.recipes.runs import restore_pipeline
+from studio.recipes.runs import BY_FILE, restore_pipeline, runs_for_file
 
 # The Chat form's ranges (studio/ui/chat.py): a recipe value outside them is set to the nearest end, and said.
 FORM_RANGES = {
@@ -26,6 +28,8 @@ FORM_RANGES = {
     "guidance_scale": (0.0, 20.0),
 }
 MODALITY_CHOICES = ("text", "image", "token_ids")
+SHOWN_RUNS = 5  # run ids named in the note (newest first)
+SWITCH = "switch the studio to a recipe's model and deploy config"
 
 
 @dataclass
@@ -90,8 +94,11 @@ def form_values(recipe: Recipe) -> tuple[dict[str, Any], list[str]]:
     return values, notes
 
 
-def describe(recipe: Recipe, studio: Studio, restored: dict[str, Any]) -> tuple[str, bool]:
-    """Markdown for the drop's note, and whether the model/deploy-config button applies."""
+def describe(
+    recipe: Recipe, studio: Studio, restored: dict[str, Any], refused: str | None = None
+) -> tuple[str, bool]:
+    """Markdown for the drop's note, and whether the model/deploy-config button applies (``refused``: why
+    this visitor may not switch, docs/team.md; the note says so instead of offering the button)."""
     labels = {
         "seed": "seed",
         "width": "size",
@@ -120,11 +127,13 @@ def describe(recipe: Recipe, studio: Studio, restored: dict[str, Any]) -> tuple[
         if recipe.model == studio.model.name and recipe.config_hash == running_hash:
             lines.append(f"{made} — the running model and config.")
         elif recipe.model in studio.builtin_models() and recipe.config is not None:
-            lines.append(
-                f"{made}; the studio runs **{studio.model.name}** `{running_hash[:8]}`. "
-                "Use the button below to switch to the recipe's."
+            then = (
+                f"{refused[0].upper()}{refused[1:]}."
+                if refused
+                else "Use the button below to switch to the recipe's."
             )
-            can_switch = True
+            lines.append(f"{made}; the studio runs **{studio.model.name}** `{running_hash[:8]}`. {then}")
+            can_switch = refused is None
         else:
             lines.append(f"{made}; that model is not known to this studio, so the running model stays.")
     if recipe.history:
@@ -133,6 +142,33 @@ def describe(recipe: Recipe, studio: Studio, restored: dict[str, Any]) -> tuple[
         )
     lines += [f"Note: {note}." for note in recipe.notes]
     return "\n\n".join(lines), can_switch
+
+
+def runs_line(studio: Studio, identity: Identity, data: bytes, recipe: Recipe) -> str:
+    """The note's line naming the recorded runs ``data`` came from (``studio.recipes.runs.runs_for_file``:
+    by the file's sha256, else by its recipe), only those ``identity`` may see: a user's own, every run for
+    an admin or in a studio without accounts (docs/team.md). Empty when there are none to name."""
+    if studio.store is None:
+        return ""
+    found = runs_for_file(studio.store, data, recipe)
+    accounts = studio.accounts
+    ids = [
+        run_id
+        for run_id in found.run_ids
+        if identity.sees_all or (accounts is not None and accounts.may_see_run(identity, run_id))
+    ]
+    if not ids:
+        return "None of your runs made this file." if not identity.sees_all else ""
+    names = []
+    for run_id in ids[:SHOWN_RUNS]:
+        # An admin sees whose each run is; a user's are all their own.
+        owner = accounts.rows.run_user(run_id) if identity.admin and accounts is not None else None
+        names.append(f"`{run_id[:12]}`" + (f" ({owner})" if owner else ""))
+    more = f" and {len(ids) - SHOWN_RUNS} more" if len(ids) > SHOWN_RUNS else ""
+    runs = f"run{'s' if len(ids) > 1 else ''} {', '.join(names)}{more}"
+    if found.matched_by == BY_FILE:
+        return f"This file is an output of {runs} (History shows it)."
+    return f"Its recipe matches {runs} (the file itself was changed or re-saved)."
 
 
 def connect_recipe_drop(studio: Studio, drop: RecipeDrop, fields: dict[str, Any]) -> None:
@@ -155,24 +191,29 @@ def connect_recipe_drop(studio: Studio, drop: RecipeDrop, fields: dict[str, Any]
     # The drop zone is emptied again after each file, ready for the next one.
     outputs = [*restored_outputs, drop.note, drop.apply, drop.recipe, drop.upload]
 
-    def load(path: str | None):
+    def load(path: str | None, request: gr.Request):
         unchanged = [gr.skip()] * len(restored_outputs)
         if not path:
             return *unchanged, "", gr.update(visible=False), None, None
         name = Path(path).name
+        data = Path(path).read_bytes()
         try:
-            recipe = read_recipe(Path(path).read_bytes(), name)
+            recipe = read_recipe(data, name)
         except RecipeError as exc:
             return *unchanged, f"⚠️ {exc}.", gr.update(visible=False), None, None
+        username = getattr(request, "username", None)
+        identity = studio.identity(username)
         values, notes = form_values(recipe)
         files: list[str] = []
         if recipe.source_image_sha256:
             found = studio.runs.files.find(recipe.source_image_sha256) if studio.runs.files else None
-            if found is not None:
+            if found is not None and may_read(identity, recipe.source_image_sha256):
                 files.append(str(found))
-            else:
+            else:  # another user's source image reads as one the studio does not have (docs/team.md)
                 notes.append("its source image is not in this studio's history; attach it for image-to-image")
-        text, can_switch = describe(recipe, studio, values)
+        text, can_switch = describe(recipe, studio, values, studio.admin_refusal(username, SWITCH))
+        runs = runs_line(studio, identity, data, recipe)
+        text += f"\n\n{runs}" if runs else ""
         text += "".join(f"\n\nNote: {note}." for note in notes)
 
         def value(key: str) -> Any:
@@ -198,9 +239,16 @@ def connect_recipe_drop(studio: Studio, drop: RecipeDrop, fields: dict[str, Any]
 
     drop.upload.upload(load, [drop.upload], outputs, api_name="load_recipe", show_progress="hidden")
 
-    def use_pipeline(recipe: Recipe | None):
+    def may_read(identity: Identity, sha256: str) -> bool:
+        accounts = studio.accounts
+        return identity.sees_all or (accounts is not None and accounts.may_read_output(identity, sha256))
+
+    def use_pipeline(recipe: Recipe | None, request: gr.Request):
         if recipe is None:
             return "Load a recipe first.", gr.update(visible=False), gr.skip()
+        refused = studio.admin_refusal(getattr(request, "username", None), SWITCH)
+        if refused:  # with accounts only an admin changes what everyone runs (docs/team.md)
+            return f"**Not switched** — {refused}.", gr.update(visible=False), gr.skip()
         message = restore_pipeline(studio, recipe)
         return message, gr.update(visible=False), gr.update(value=studio.model.name)
 
