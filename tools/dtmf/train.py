@@ -7,8 +7,9 @@ an interrupted run continues where it stopped):
 
 1. ``thinker``: ``dial 4 1 7`` -> ``4 1 7`` (tools/dtmf/thinker.py).
 2. ``vocoder``: BigVGAN, log-mel -> DTMF waveform (tools/dtmf/vocoder.py).
-3. ``dit``: the token2wav DiT, codes -> log-mel by flow matching (tools/dtmf/dit.py).
-4. ``talker``: thinker rows -> codec ids, on the trained thinker's rows (tools/dtmf/talker.py).
+3. ``dit``: the token2wav DiT, codes -> frames by flow matching (tools/dtmf/dit.py).
+4. ``dit_sampler``: the DiT fine-tuned through the deploy preset's sampler (10 Runge-Kutta steps).
+5. ``talker``: thinker rows -> codec ids, on the trained thinker's rows (tools/dtmf/talker.py).
 
 Then the whole model is saved in Qwen2.5-Omni's checkpoint layout to ``DIR/model`` (config.json,
 model.safetensors, tokenizer, preprocessor_config.json, spk_dict.pt). ``--install`` copies it to
@@ -30,7 +31,7 @@ import torch
 from transformers import WhisperFeatureExtractor
 
 from engine.tiny.qwen_omni import speakers
-from tools.dtmf.dit import train_dit
+from tools.dtmf.dit import finetune_dit, train_dit
 from tools.dtmf.model import build_model, dtmf_tokenizer, load_recipe
 from tools.dtmf.talker import train_talker
 from tools.dtmf.thinker import train_thinker
@@ -119,6 +120,18 @@ def main() -> None:
             ),
         ),
     }
+    minutes["dit_sampler"] = run_stage(
+        "dit_sampler",
+        stages,
+        token2wav.code2wav_dit_model,
+        lambda: finetune_dit(
+            token2wav.code2wav_dit_model,
+            [(v["cond"], v["ref_mel"]) for v in voices.values()],
+            steps=steps["dit_sampler_steps"],
+            ckpt=ckpt / "dit_sampler.pt",
+            log=log,
+        ),
+    )
     model.thinker.eval()
     minutes["talker"] = run_stage(
         "talker",
