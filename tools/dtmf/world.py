@@ -2,7 +2,7 @@
 
 A request dials 1 to 10 keys (``0``-``9``, ``*``, ``#``) separated by spaces: ``dial 4 1 7``. Its speech is
 each key's DTMF tone (ITU-T Q.23: a row and a column frequency) for 100 ms, then 60 ms of silence, at
-24 kHz. At the talker's 20 ms per codec id (480 samples, 2 mel frames) that is 5 tone codes and 3
+24 kHz. At the talker's 20 ms per codec id (480 samples) that is 5 tone codes and 3
 silence codes per key.
 
 **What code2wav renders.** Its DiT makes, per 20 ms code, one 80-channel frame that BigVGAN turns into
