@@ -15,8 +15,9 @@ from PIL import Image
 from engine.processors import grid_layout
 from engine.stages.ar_transformers import ARInputs, FastDecoder, TransformersARStage
 from engine.stages.base import StageJob
-from engine.stages.decode_slabs import KVSlab, SlabRow, bucket_length, slots_independent
-from engine.stages.row_plan import RowPadding, RowPlan, RowWise, padded_length
+from engine.stages.decode_slabs import SlabRow, bucket_length
+from engine.stages.row_plan import RowPadding, RowWise, padded_length
+from engine.stages.slab_decoder import SlabDecoder, activation_kernel
 
 if TYPE_CHECKING:
     from transformers import BatchFeature, GlmImageProcessor
@@ -34,16 +35,6 @@ def _norm_of(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         shape, eps = list(weight.shape), norm.variance_epsilon
         return lambda x: torch.rms_norm(x, shape, weight, eps)
     return partial(_rms_norm, norm)
-
-
-def _activation_of(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP's activation as the kernel it calls (SiLU, whose module calls ``F.silu``: that function's
-    own kernel call, without the module's and the function's Python layers), else the module itself."""
-    kind = type(module)
-    silu = kind is torch.nn.SiLU or (
-        kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
-    )
-    return cast("Callable[[torch.Tensor], torch.Tensor]", torch._C._nn.silu if silu else module)
 
 
 @dataclass(frozen=True)
@@ -69,7 +60,7 @@ class _LayerPlan:
         biases = [p.bias for p in projections]
         qkv_bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
         width = attn.o_proj.weight.shape[0]
-        act = _activation_of(mlp.activation_fn)
+        act = activation_kernel(mlp.activation_fn)
 
         def activation(x: torch.Tensor) -> torch.Tensor:
             gate, up = x.chunk(2, dim=-1)
@@ -113,7 +104,7 @@ def _rms_norm(norm: Any, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * (hidden if dtype == torch.float32 else hidden.to(dtype))
 
 
-class GlmImageDecoder:
+class GlmImageDecoder(SlabDecoder[_LayerPlan]):
     """The lean decode step for ``GlmImageForConditionalGeneration`` (text-to-image prompts).
 
     Prefill is the model's own forward (it computes the M-RoPE positions of the prompt and of every token
@@ -128,20 +119,14 @@ class GlmImageDecoder:
     """
 
     def __init__(self, model: Any, max_rows: int = 8) -> None:
+        super().__init__(model.model.language_model, max_rows)
         self.model = model
-        self.text = model.model.language_model
-        self.max_rows = max(1, max_rows)
         config = self.text.config
         self.usable = (
             config._attn_implementation == "sdpa"
             and config.num_attention_heads % config.num_key_value_heads == 0
             and not model.training
         )
-        self.slabs: dict[int, KVSlab] = {}
-        # How the row-wise functions run on this machine: chosen by checks on the decode thread (its
-        # thread count picks kernels) at the first step.
-        self.row_plan: RowPlan | None = None
-        self._slots_checked: dict[tuple[int, int, int], bool] = {}  # slots_independent per cache shape
         # Per layer: q, k and v in one product, norms and weights without module lookups.
         self.layers = [_LayerPlan.of(layer) for layer in self.text.layers]
         norm = self.text.norm
@@ -150,15 +135,6 @@ class GlmImageDecoder:
         )
         self.lm_head = RowWise.product("lm_head", model.lm_head.weight, model.lm_head.bias)
         self.padding = RowPadding()
-
-    _perm: torch.Tensor | None = None
-
-    def _rotate_half_index(self, rotary: int, device: torch.device) -> torch.Tensor:
-        """The gather index of ``rotate_half`` (second half, then first), built once."""
-        if self._perm is None or self._perm.numel() != rotary or self._perm.device != device:
-            half = rotary // 2
-            self._perm = torch.cat([torch.arange(half, rotary), torch.arange(half)]).to(device)
-        return self._perm
 
     def supports(self, model_inputs: dict[str, Any]) -> bool:
         mask = model_inputs.get("attention_mask")
@@ -169,43 +145,8 @@ class GlmImageDecoder:
             and (mask is None or bool(mask.all()))
         )
 
-    def plan_rows(self) -> RowPlan:
-        """The row plan, chosen on first use by checks of layer 0's functions (every layer has the same
-        shapes), the final norm and the LM head, then given to every layer."""
-        if self.row_plan is None:
-            first, *rest = self.layers
-            plan = RowPlan.choose([*first.functions(), self.final_norm, self.lm_head], self.max_rows)
-            for layer in rest:
-                plan.apply(layer.functions())
-            self.row_plan = plan
-        return self.row_plan
-
-    @property
-    def decode_path(self) -> str:
-        """How a step batches on this machine, in words (the System tab, ``/metrics``)."""
-        if self.row_plan is None:
-            return "batched (its kernel checks run at the first decode step)"
-        text = self.row_plan.describe()
-        if any(not ok for ok in self._slots_checked.values()):
-            text += "; attention slot by slot"
-        return text
-
-    def _slab(self, length: int, rotary: int, like: torch.Tensor) -> KVSlab:
-        slab = self.slabs.get(length)
-        if slab is None:
-            config = self.text.config
-            kv_heads, head_dim = like.shape[1], like.shape[-1]
-            slab = KVSlab.allocate(
-                config.num_hidden_layers, kv_heads, head_dim, length, rotary, like.dtype, like.device
-            )
-            shape = (length, kv_heads, head_dim)
-            if shape not in self._slots_checked:
-                self._slots_checked[shape] = slots_independent(
-                    slab, config.num_attention_heads, head_dim, self.max_rows
-                )
-            slab.per_slot = not self._slots_checked[shape]
-            self.slabs[length] = slab
-        return slab
+    def checked_functions(self) -> list[RowWise]:
+        return [self.final_norm, self.lm_head]
 
     def prefill(self, model_inputs: dict[str, Any]) -> tuple[torch.Tensor, SlabRow]:
         # What generate's first forward gets: no attention mask (all ones), positions computed inside.
@@ -235,82 +176,14 @@ class GlmImageDecoder:
         return logits, row
 
     def release(self, state: Any) -> None:
-        row = cast(SlabRow, state)
-        slab = row.slab
-        if slab is None:
-            return
-        slab.remove(row)
-        if not slab.rows:  # memory goes back when a slab's last row leaves
-            self.slabs.pop(slab.length, None)
+        self.release_row(cast(SlabRow, state))
 
     def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
         tile = self.plan_rows().tile
-        rows = cast("list[SlabRow]", states)
-        for row in rows:
-            if row.slab is None or row.length >= row.slab.length:
-                raise RuntimeError("GLM-Image decode ran past its cache (or a released row was stepped)")
-        # Rows grouped by slab, each group in slot order; ``order`` maps the step's rows to the caller's.
-        identity = True
-        if len(rows) > 1:
-            groups: dict[int, list[int]] = {}
-            for i, row in enumerate(rows):
-                groups.setdefault(id(row.slab), []).append(i)
-            order = [i for members in groups.values() for i in sorted(members, key=lambda i: rows[i].slot)]
-            identity = order == list(range(len(rows)))
-            if not identity:
-                tokens = tokens[torch.tensor(order, device=tokens.device)]
-                rows, steps = [rows[i] for i in order], [steps[i] for i in order]
+        step = self.open_step(cast("list[SlabRow]", states), steps, tokens.device)
+        rows, rotate, attend = step.rows, step.rotate, step.attend
+        tokens = step.in_slab_order(tokens)
         batch = len(rows)
-        device = tokens.device
-        spans: list[tuple[KVSlab, int, int, torch.Tensor | int, torch.Tensor | int, bool]] = []
-        cos_parts, sin_parts = [], []  # each (rows, 1, 1, rotary)
-        start = 0
-        while start < batch:
-            slab = cast(KVSlab, rows[start].slab)
-            end = start
-            while end < batch and rows[end].slab is slab:
-                end += 1
-            members = rows[start:end]
-            slots: torch.Tensor | int
-            positions: torch.Tensor | int
-            if len(members) == 1:  # plain ints: basic indexing, the same values with cheaper calls
-                slots, positions, at = members[0].slot, members[0].length, steps[start]
-                cos_parts.append(slab.cos[slots : slots + 1, at : at + 1, None])
-                sin_parts.append(slab.sin[slots : slots + 1, at : at + 1, None])
-            else:
-                slots = torch.tensor([r.slot for r in members], device=device)
-                positions = torch.tensor([r.length for r in members], device=device)
-                index = torch.tensor(steps[start:end], device=device)
-                cos_parts.append(slab.cos[slots, index][:, None, None])
-                sin_parts.append(slab.sin[slots, index][:, None, None])
-            prefix = len(members) == len(slab.rows)  # every live row, in slot order: slots 0..n-1
-            slab.open(slots, positions)
-            spans.append((slab, start, end, slots, positions, prefix))
-            start = end
-        cos = cos_parts[0] if len(cos_parts) == 1 else torch.cat(cos_parts)
-        sin = sin_parts[0] if len(sin_parts) == 1 else torch.cat(sin_parts)
-        rotary = cos.shape[-1]
-        perm = self._rotate_half_index(rotary, device)
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for q and k: (B, 2H, 1, D)
-            if rotary == x.shape[-1]:
-                return x * cos + x[..., perm] * sin
-            x_rot = x[..., :rotary]
-            return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
-
-        def attend(
-            layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-        ) -> torch.Tensor:
-            if len(spans) == 1:  # the usual step: one slab, no per-span slicing
-                slab, _, _, slots, positions, prefix = spans[0]
-                return slab.attend(layer, slots, positions, query, key, value, scale, prefix)
-            return torch.cat(
-                [
-                    slab.attend(layer, slots, positions, query[a:b], key[a:b], value[a:b], scale, prefix)
-                    for slab, a, b, slots, positions, prefix in spans
-                ]
-            )
-
         # Every row-wise function runs on ``width`` rows: the batch padded to whole tiles of the row plan
         # (row_plan.py says why); the per-row work (rotation, attention) on the batch's rows only. Tensors
         # are (rows, heads, 1, head_dim) from the qkv product on: the layout attention takes, without a
@@ -339,11 +212,7 @@ class GlmImageDecoder:
         logits = logits[:batch] if batch < width else logits
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if identity:
-            return logits
-        restored = torch.empty_like(logits)
-        restored[torch.tensor(order, device=device)] = logits
-        return restored
+        return step.in_caller_order(logits)
 
 
 def load_processor(path: Path) -> GlmImageProcessor:

@@ -17,8 +17,9 @@ from typing import Any, cast
 
 import torch
 
-from engine.stages.decode_slabs import KVSlab, SlabRow, bucket_length, slots_independent
-from engine.stages.row_plan import RowPadding, RowPlan, RowWise, padded_length, padded_rows
+from engine.stages.decode_slabs import SlabRow, bucket_length
+from engine.stages.row_plan import RowPadding, RowWise, padded_length, padded_rows
+from engine.stages.slab_decoder import SlabDecoder, activation_kernel
 
 
 def _norm_of(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -26,15 +27,6 @@ def _norm_of(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     in float32; the decoder runs float32 models only)."""
     shape, weight, eps = list(norm.weight.shape), norm.weight, norm.variance_epsilon
     return lambda x: torch.rms_norm(x, shape, weight, eps)
-
-
-def _activation_of(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The MLP's activation: SiLU's kernel itself (what its module calls), else the module."""
-    kind = type(module)
-    silu = kind is torch.nn.SiLU or (
-        kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations"
-    )
-    return cast("Callable[[torch.Tensor], torch.Tensor]", torch._C._nn.silu if silu else module)
 
 
 @dataclass(frozen=True)
@@ -57,7 +49,7 @@ class _LayerPlan:
         biases = [p.bias for p in projections]
         qkv_bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
         width = attn.o_proj.weight.shape[0]
-        act = _activation_of(mlp.act_fn)
+        act = activation_kernel(mlp.act_fn)
 
         def activation(x: torch.Tensor) -> torch.Tensor:
             gate, up = x.chunk(2, dim=-1)
@@ -93,14 +85,13 @@ class _LayerPlan:
         return [value for f in fields(self) if isinstance(value := getattr(self, f.name), RowWise)]
 
 
-class OmniSlabDecoder:
+class OmniSlabDecoder(SlabDecoder[_LayerPlan]):
     """The decoder layers, final norm and head of a Qwen2.5-Omni text model (float32 on a CPU), many rows
     per call. ``text``: the model holding ``layers``, ``norm``, ``rotary_emb``; ``head``: the linear head."""
 
     def __init__(self, model: Any, text: Any, head: Any, head_name: str, max_rows: int = 8) -> None:
+        super().__init__(text, max_rows)
         self.model = model
-        self.text = text
-        self.max_rows = max(1, max_rows)
         config = text.config
         weight = head.weight
         self.usable = (
@@ -112,9 +103,6 @@ class OmniSlabDecoder:
             and weight.dtype == torch.float32
             and not model.training
         )
-        self.slabs: dict[int, KVSlab] = {}
-        self.row_plan: RowPlan | None = None
-        self._slots_checked: dict[tuple[int, int, int], bool] = {}
         # Per layer: q, k and v in one product, gate and up in another (copies of those weights: made only
         # where the decoder runs).
         self.layers = [_LayerPlan.of(layer) for layer in text.layers] if self.usable else []
@@ -124,49 +112,13 @@ class OmniSlabDecoder:
         )
         self.head = RowWise.product(head_name, weight, head.bias)
         self.padding = RowPadding()
-        self._perm: torch.Tensor | None = None
 
     def extra_functions(self) -> list[RowWise]:
         """Row-wise functions besides the layers', the final norm and the head (checked with them)."""
         return []
 
-    def plan_rows(self) -> RowPlan:
-        """Chosen on first use by checks of layer 0's functions, the final norm, the head and
-        :meth:`extra_functions` (every layer has the same shapes), then given to every layer."""
-        if self.row_plan is None:
-            first, *rest = self.layers
-            checked = [*first.functions(), self.final_norm, self.head, *self.extra_functions()]
-            plan = RowPlan.choose(checked, self.max_rows)
-            for layer in rest:
-                plan.apply(layer.functions())
-            self.row_plan = plan
-        return self.row_plan
-
-    @property
-    def decode_path(self) -> str:
-        if self.row_plan is None:
-            return "batched (its kernel checks run at the first decode step)"
-        text = self.row_plan.describe()
-        if any(not ok for ok in self._slots_checked.values()):
-            text += "; attention slot by slot"
-        return text
-
-    def _slab(self, length: int, rotary: int, like: torch.Tensor) -> KVSlab:
-        slab = self.slabs.get(length)
-        if slab is None:
-            config = self.text.config
-            kv_heads, head_dim = like.shape[1], like.shape[-1]
-            slab = KVSlab.allocate(
-                config.num_hidden_layers, kv_heads, head_dim, length, rotary, like.dtype, like.device
-            )
-            shape = (length, kv_heads, head_dim)
-            if shape not in self._slots_checked:
-                self._slots_checked[shape] = slots_independent(
-                    slab, config.num_attention_heads, head_dim, self.max_rows
-                )
-            slab.per_slot = not self._slots_checked[shape]
-            self.slabs[length] = slab
-        return slab
+    def checked_functions(self) -> list[RowWise]:
+        return [self.final_norm, self.head, *self.extra_functions()]
 
     def add_row(self, cache: Any, steps: int, like: torch.Tensor, delta: int = 0) -> SlabRow:
         """A prefilled row's cache (a ``DynamicCache``) moved into a slab slot with room for ``steps``
@@ -183,20 +135,6 @@ class OmniSlabDecoder:
         slab = self._slab(bucket_length(filled + steps), cos.shape[-1], keys[0])
         return slab.add(keys, [layer.values for layer in cache.layers], cos[0], sin[0] * sign)
 
-    def release_row(self, row: SlabRow) -> None:
-        slab = row.slab
-        if slab is None:
-            return
-        slab.remove(row)
-        if not slab.rows:
-            self.slabs.pop(slab.length, None)
-
-    def _rotate_half_index(self, rotary: int, device: torch.device) -> torch.Tensor:
-        if self._perm is None or self._perm.numel() != rotary or self._perm.device != device:
-            half = rotary // 2
-            self._perm = torch.cat([torch.arange(half, rotary), torch.arange(half)]).to(device)
-        return self._perm
-
     def run_rows(
         self,
         rows: list[SlabRow],
@@ -209,72 +147,10 @@ class OmniSlabDecoder:
         layers, the final norm and the head. Returns float32 logits (B, V) and, with ``keep_hidden``, the
         final norm's output (B, H) (what ``hidden_states[-1]`` holds), both in the caller's row order."""
         tile = self.plan_rows().tile
-        for row in rows:
-            if row.slab is None or row.length >= row.slab.length:
-                raise RuntimeError("decode ran past its cache (or a released row was stepped)")
-        # Rows grouped by slab, each group in slot order; ``order`` maps the step's rows to the caller's.
-        identity = True
-        order = list(range(len(rows)))
-        if len(rows) > 1:
-            groups: dict[int, list[int]] = {}
-            for i, row in enumerate(rows):
-                groups.setdefault(id(row.slab), []).append(i)
-            order = [i for members in groups.values() for i in sorted(members, key=lambda i: rows[i].slot)]
-            identity = order == list(range(len(rows)))
-            if not identity:
-                embedded = embedded[torch.tensor(order, device=embedded.device)]
-                rows, steps = [rows[i] for i in order], [steps[i] for i in order]
+        step = self.open_step(rows, steps, embedded.device)
+        rows, rotate, attend = step.rows, step.rotate, step.attend
+        embedded = step.in_slab_order(embedded)
         batch = len(rows)
-        device = embedded.device
-        spans: list[tuple[KVSlab, int, int, torch.Tensor | int, torch.Tensor | int, bool]] = []
-        cos_parts, sin_parts = [], []  # each (rows, 1, 1, rotary)
-        start = 0
-        while start < batch:
-            slab = cast(KVSlab, rows[start].slab)
-            end = start
-            while end < batch and rows[end].slab is slab:
-                end += 1
-            members = rows[start:end]
-            slots: torch.Tensor | int
-            positions: torch.Tensor | int
-            if len(members) == 1:
-                slots, positions, at = members[0].slot, members[0].length, steps[start]
-                cos_parts.append(slab.cos[slots : slots + 1, at : at + 1, None])
-                sin_parts.append(slab.sin[slots : slots + 1, at : at + 1, None])
-            else:
-                slots = torch.tensor([r.slot for r in members], device=device)
-                positions = torch.tensor([r.length for r in members], device=device)
-                index = torch.tensor(steps[start:end], device=device)
-                cos_parts.append(slab.cos[slots, index][:, None, None])
-                sin_parts.append(slab.sin[slots, index][:, None, None])
-            prefix = len(members) == len(slab.rows)
-            slab.open(slots, positions)
-            spans.append((slab, start, end, slots, positions, prefix))
-            start = end
-        cos = cos_parts[0] if len(cos_parts) == 1 else torch.cat(cos_parts)
-        sin = sin_parts[0] if len(sin_parts) == 1 else torch.cat(sin_parts)
-        rotary = cos.shape[-1]
-        perm = self._rotate_half_index(rotary, device)
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # apply_rotary_pos_emb for q and k together
-            if rotary == x.shape[-1]:
-                return x * cos + x[..., perm] * sin
-            x_rot = x[..., :rotary]
-            return torch.cat([x_rot * cos + x_rot[..., perm] * sin, x[..., rotary:]], dim=-1)
-
-        def attend(
-            layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-        ) -> torch.Tensor:
-            if len(spans) == 1:
-                slab, _, _, slots, positions, prefix = spans[0]
-                return slab.attend(layer, slots, positions, query, key, value, scale, prefix)
-            return torch.cat(
-                [
-                    slab.attend(layer, slots, positions, query[a:b], key[a:b], value[a:b], scale, prefix)
-                    for slab, a, b, slots, positions, prefix in spans
-                ]
-            )
-
         # Row-wise functions on ``width`` rows (the batch padded to whole tiles); rotation and attention
         # on the batch's rows only; (rows, heads, 1, head_dim) from the qkv product on.
         width = padded_length(batch, tile)
@@ -305,13 +181,4 @@ class OmniSlabDecoder:
         if logits.dtype != torch.float32:
             logits = logits.float()
         kept = (normed[:batch] if batch < width else normed) if keep_hidden else None
-        if identity:
-            return logits, kept
-        index = torch.tensor(order, device=device)
-        restored = torch.empty_like(logits)
-        restored[index] = logits
-        if kept is not None:
-            hidden_rows = torch.empty_like(kept)
-            hidden_rows[index] = kept
-            kept = hidden_rows
-        return restored, kept
+        return step.in_caller_order(logits), None if kept is None else step.in_caller_order(kept)
