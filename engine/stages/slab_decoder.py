@@ -29,6 +29,14 @@ def activation_kernel(module: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return cast("Callable[[torch.Tensor], torch.Tensor]", torch._C._nn.silu if silu else module)
 
 
+def joined_product(name: str, projections: Sequence[Any]) -> RowWise:
+    """Linear layers over the same input as one product: their weights (and biases) concatenated, so one
+    call gives their outputs side by side (q, k and v; gate and up)."""
+    biases = [p.bias for p in projections]
+    bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
+    return RowWise.product(name, torch.cat([p.weight for p in projections]), bias)
+
+
 class LayerFunctions(Protocol):
     def functions(self) -> list[RowWise]: ...
 

@@ -17,7 +17,7 @@ from engine.stages.ar_transformers import ARInputs, FastDecoder, TransformersARS
 from engine.stages.base import StageJob
 from engine.stages.decode_slabs import SlabRow, bucket_length
 from engine.stages.row_plan import RowPadding, RowWise, padded_length
-from engine.stages.slab_decoder import SlabDecoder, activation_kernel
+from engine.stages.slab_decoder import SlabDecoder, activation_kernel, joined_product
 
 if TYPE_CHECKING:
     from transformers import BatchFeature, GlmImageProcessor
@@ -56,9 +56,6 @@ class _LayerPlan:
     @classmethod
     def of(cls, layer: Any) -> _LayerPlan:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        biases = [p.bias for p in projections]
-        qkv_bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
         width = attn.o_proj.weight.shape[0]
         act = activation_kernel(mlp.activation_fn)
 
@@ -72,7 +69,7 @@ class _LayerPlan:
         gate_up = mlp.gate_up_proj
         return cls(
             input_norm=norm("input_norm", layer.input_layernorm),
-            qkv=RowWise.product("qkv", torch.cat([p.weight for p in projections]), qkv_bias),
+            qkv=joined_product("qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
             scaling=attn.scaling,
             o_proj=RowWise.product("o_proj", attn.o_proj.weight, attn.o_proj.bias),
             post_self_attn_norm=norm("post_self_attn_norm", layer.post_self_attn_layernorm),

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from engine.stages.decode_slabs import SlabRow, bucket_length
 from engine.stages.row_plan import RowPadding, RowWise, padded_length, padded_rows
-from engine.stages.slab_decoder import SlabDecoder, activation_kernel
+from engine.stages.slab_decoder import SlabDecoder, activation_kernel, joined_product
 
 
 def _norm_of(norm: Any) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -45,9 +45,6 @@ class _LayerPlan:
     @classmethod
     def of(cls, layer: Any) -> _LayerPlan:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
-        biases = [p.bias for p in projections]
-        qkv_bias = None if any(b is None for b in biases) else torch.cat(cast("list[torch.Tensor]", biases))
         width = attn.o_proj.weight.shape[0]
         act = activation_kernel(mlp.act_fn)
 
@@ -58,19 +55,13 @@ class _LayerPlan:
         def norm(name: str, module: Any) -> RowWise:
             return RowWise(name, _norm_of(module), width, module.weight.dtype, device=module.weight.device)
 
-        gate_up = [mlp.gate_proj, mlp.up_proj]
-        gate_up_bias = [p.bias for p in gate_up]
         return cls(
             input_norm=norm("input_norm", layer.input_layernorm),
-            qkv=RowWise.product("qkv", torch.cat([p.weight for p in projections]), qkv_bias),
+            qkv=joined_product("qkv", [attn.q_proj, attn.k_proj, attn.v_proj]),
             scaling=attn.scaling,
             o_proj=RowWise.product("o_proj", attn.o_proj.weight, attn.o_proj.bias),
             post_attention_norm=norm("post_attention_norm", layer.post_attention_layernorm),
-            gate_up=RowWise.product(
-                "gate_up",
-                torch.cat([p.weight for p in gate_up]),
-                None if any(b is None for b in gate_up_bias) else torch.cat(gate_up_bias),
-            ),
+            gate_up=joined_product("gate_up", [mlp.gate_proj, mlp.up_proj]),
             activation=RowWise(
                 "activation",
                 activation,
