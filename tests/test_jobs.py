@@ -22,6 +22,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from engine.models import BUILTIN_MODELS
 from studio.cli import main
 from studio.jobs.grid import compose_grid, grid_layout
 from studio.jobs.runner import cell_request
@@ -350,7 +351,7 @@ def test_submitting_checks_every_cell_against_the_running_studio(store, recorder
 
     problems = refused({"prompts": ["a"], "x": {"param": "model", "values": ["tiny-diffusion", "nope"]}})
     assert problems == {
-        "x.values[1]": "unknown model 'nope'; allowed: tiny-chat, tiny-diffusion, tiny-glm-image, tiny-glm-shapes, tiny-qwen-omni"
+        "x.values[1]": f"unknown model 'nope'; allowed: {', '.join(sorted(BUILTIN_MODELS))}"
     }
     problems = refused({"prompts": ["a"], "x": {"param": "size", "values": ["64x64", "72x64"]}})
     assert problems == {"x.values[1]": "width must be a multiple of 16 for diffusion models, got 72"}
