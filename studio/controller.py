@@ -309,6 +309,7 @@ class Studio:
             parameters,
             makes_images=OutputModality.IMAGE in self.engine.family.final_modalities(self.config),
             api_key_set=bool(self.api_key),
+            voice=next(iter(self.voices()), None),
         )
 
     # -- who is using the UI (docs/team.md) -----------------------------------------------------
@@ -460,13 +461,17 @@ def api_snippets(
     makes_images: bool,
     api_key_set: bool,
     out: str = "image.png",
+    voice: str | None = None,
 ) -> tuple[str, str]:
     """curl and Python (openai SDK) calls of ``POST {url}/chat/completions``.
 
     ``parameters`` are the model's defaults (size and steps, or ``max_tokens``), spelled out so a reader
-    sees what to change; images are written to ``out``. With an API key set, both read it from
-    ``$OMNI_STUDIO_API_KEY`` (the key itself is never shown).
+    sees what to change; images are written to ``out``. With a ``voice`` (a model that speaks) the reply
+    is asked for as text and audio in that voice and its audio written to ``reply.wav``. With an API key
+    set, both read it from ``$OMNI_STUDIO_API_KEY`` (the key itself is never shown).
     """
+    if voice is not None:
+        return _speech_snippets(url, model, prompt, parameters, voice, api_key_set)
     fields = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in parameters.items())
     body = (
         f'{{"model": {json.dumps(model)}, "seed": 42,\n'
@@ -507,6 +512,51 @@ def api_snippets(
         ]
     else:
         lines.append("print(response.choices[0].message.content)")
+    return curl, "\n".join(lines) + "\n"
+
+
+SPOKEN_REPLY = "reply.wav"
+
+
+def _speech_snippets(
+    url: str, model: str, prompt: str, parameters: dict[str, Any], voice: str, api_key_set: bool
+) -> tuple[str, str]:
+    """:func:`api_snippets` for a model that speaks: the reply's text printed, its audio in reply.wav."""
+    audio = {"voice": voice, "format": "wav"}
+    extra = {**parameters}
+    fields = "".join(f", {json.dumps(k)}: {json.dumps(v)}" for k, v in extra.items())
+    body = (
+        f'{{"model": {json.dumps(model)}, "seed": 42{fields},\n'
+        f'       "modalities": ["text", "audio"], "audio": {json.dumps(audio)},\n'
+        f'       "messages": [{{"role": "user", "content": {json.dumps(prompt)}}}]}}'
+    ).replace("'", "'\\''")
+    auth = f'  -H "Authorization: Bearer ${API_KEY_ENV}" \\\n' if api_key_set else ""
+    curl = (
+        f"curl -s {url}/chat/completions \\\n{auth}  -H 'Content-Type: application/json' \\\n  -d '{body}' \\\n"
+        "  | python3 -c 'import base64, json, sys; "
+        'message = json.load(sys.stdin)["choices"][0]["message"]; print(message["content"]); '
+        f'open("{SPOKEN_REPLY}", "wb").write(base64.b64decode(message["audio"]["data"]))\''
+    )
+    key = f'os.environ["{API_KEY_ENV}"]' if api_key_set else '"unused"'
+    lines = ["import base64", *(["import os"] if api_key_set else []), "", "from openai import OpenAI", ""]
+    lines += [
+        f"client = OpenAI(base_url={json.dumps(url)}, api_key={key})",
+        "response = client.chat.completions.create(",
+        f"    model={json.dumps(model)},",
+        f'    messages=[{{"role": "user", "content": {json.dumps(prompt)}}}],',
+        '    modalities=["text", "audio"],',
+        f"    audio={audio!r},",
+        "    seed=42,",
+    ]
+    if extra:
+        lines.append(f"    extra_body={extra!r},")
+    lines += [
+        ")",
+        "message = response.choices[0].message",
+        "print(message.content)",
+        f'with open("{SPOKEN_REPLY}", "wb") as f:',
+        "    f.write(base64.b64decode(message.audio.data))  # a WAV file",
+    ]
     return curl, "\n".join(lines) + "\n"
 
 

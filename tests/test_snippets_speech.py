@@ -1,0 +1,67 @@
+"""The Serving tab's snippets for a model that speaks: on `tiny-qwen-omni-dtmf` they ask for the reply as
+text and audio, print the text and write the audio to reply.wav, and run as shown they dial the model
+card's example (decoded from the WAV by tools/dtmf/decode.py's Goertzel decoder)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+from gradio_client import Client
+
+from tests.servers import running_server
+from tests.test_snippets import KEY, snippet_env
+from tools.dtmf.decode import decode
+
+PROMPT = "dial 5 5 5 0 1 2 3"  # the model card's example_prompt
+KEYS = "5 5 5 0 1 2 3"
+
+
+@pytest.fixture(scope="module")
+def snippets(tmp_path_factory) -> tuple[str, str]:
+    data = tmp_path_factory.mktemp("speech-snippets")
+    with running_server(["ui", "--model", "tiny-qwen-omni-dtmf", "--api-key", KEY], data) as server:
+        result = Client(server.url + "/", verbose=False).predict(KEY, api_name="/set_api_key")
+        yield result[1], result[2]
+
+
+def _dialled(folder: Path, output: bytes) -> None:
+    assert output.decode().strip().splitlines()[-1] == KEYS  # the printed text reply
+    samples, rate = sf.read(folder / "reply.wav", dtype="float32")
+    assert rate == 24_000
+    assert decode(samples, rate) == KEYS
+
+
+def test_speech_snippets_ask_for_text_and_audio_in_a_voice_of_the_model(snippets):
+    curl, python = snippets
+    for text in (curl, python):
+        assert "tiny-qwen-omni-dtmf" in text and PROMPT in text
+        assert '"modalities": ["text", "audio"]' in text or 'modalities=["text", "audio"]' in text
+        assert "reply.wav" in text and "Chelsie" in text
+        assert KEY not in text
+
+
+def test_curl_speech_snippet_runs_and_dials(snippets, tmp_path):
+    curl, _ = snippets
+    done = subprocess.run(
+        ["bash", "-c", "set -eo pipefail\n" + curl],
+        cwd=tmp_path,
+        env=snippet_env(),
+        capture_output=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    _dialled(tmp_path, done.stdout)
+
+
+def test_python_speech_snippet_runs_and_dials(snippets, tmp_path):
+    _, python = snippets
+    (tmp_path / "snippet.py").write_text(python)
+    done = subprocess.run(
+        [sys.executable, "snippet.py"], cwd=tmp_path, env=snippet_env(), capture_output=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    _dialled(tmp_path, done.stdout)
