@@ -350,9 +350,7 @@ def test_submitting_checks_every_cell_against_the_running_studio(store, recorder
         return {p.field: p.message for p in caught.value.problems}
 
     problems = refused({"prompts": ["a"], "x": {"param": "model", "values": ["tiny-diffusion", "nope"]}})
-    assert problems == {
-        "x.values[1]": f"unknown model 'nope'; allowed: {', '.join(sorted(BUILTIN_MODELS))}"
-    }
+    assert problems == {"x.values[1]": f"unknown model 'nope'; allowed: {', '.join(sorted(BUILTIN_MODELS))}"}
     problems = refused({"prompts": ["a"], "x": {"param": "size", "values": ["64x64", "72x64"]}})
     assert problems == {"x.values[1]": "width must be a multiple of 16 for diffusion models, got 72"}
     assert "tiny-chat makes text, not images" in refused({"prompts": ["a"], "model": "tiny-chat"})["model"]

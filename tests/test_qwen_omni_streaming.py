@@ -23,8 +23,8 @@ from engine.engine import OmniEngine, build_engine
 from engine.events import AudioDelta, DiffusionStep, StageFinished, StageStatus
 from engine.modality import OutputAccumulator, OutputModality
 from engine.models import describe_model
-from engine.stages.base import StageJob
 from engine.pipelines.qwen_omni.code2wav_streams import LATER_CHUNKS
+from engine.stages.base import StageJob
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed, chunking_problems
 from engine.tempo import stretch
 from tests.conftest import tiny_deploy
