@@ -166,6 +166,7 @@ class OmniEngine:
         resolved = self.family.resolve_request(request, self.config)
         self.family.check_voice(resolved, self.model.path, self.config.model_name)
         warnings = self.card.check(self.config.model_name, resolved.parameters)
+        warnings += self.card.check_text(self.config.model_name, request.prompt, request.speak_text)
         return replace(resolved, warnings=warnings) if warnings else resolved
 
     @functools.cached_property

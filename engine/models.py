@@ -4,6 +4,7 @@ family and an identity."""
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,18 +91,22 @@ def materialize(source: ModelSource, cache_dir: Path) -> ModelSource:
 CARD_FILE = (
     "omni-studio.card.yaml"  # in a local model folder; built-in models: assets/models/<name>.card.yaml
 )
-CARD_KEYS = ("sizes", "num_inference_steps", "example_prompt")
+CARD_KEYS = ("sizes", "num_inference_steps", "example_prompt", "prompt_pattern", "speech_pattern")
 
 
 @dataclass(frozen=True)
 class ModelCard:
     """What a model is for: the image sizes and step counts it supports (empty: anything the family
-    takes) and a prompt that shows it at its best. Outside them a request still runs, with a warning."""
+    takes), a prompt that shows it at its best, and the prompts (``prompt_pattern``) and the texts to
+    speak (``speech_pattern``: ``/v1/audio/speech``'s ``input``) it understands, as regular expressions
+    a whole prompt must match. Outside them a request still runs, with a warning."""
 
     sizes: tuple[tuple[int, int], ...] = ()  # (width, height)
     num_inference_steps: tuple[int, ...] = ()
     example_prompt: str | None = None
     source: Path | None = None  # the file it came from
+    prompt_pattern: str | None = None
+    speech_pattern: str | None = None
 
     @staticmethod
     def parse(data: object, source: Path | None = None) -> ModelCard:
@@ -123,7 +128,17 @@ class ModelCard:
         if not all(isinstance(s, int) and s > 0 for s in steps):
             raise ValueError(f"{where}: num_inference_steps takes positive integers, got {steps!r}")
         prompt = data.get("example_prompt")
-        return ModelCard(tuple(sizes), tuple(steps), str(prompt) if prompt else None, source)
+        patterns = {}
+        for key in ("prompt_pattern", "speech_pattern"):
+            pattern = data.get(key)
+            if pattern is None:
+                continue
+            try:
+                re.compile(str(pattern))
+            except re.error as exc:
+                raise ValueError(f"{where}: {key} is not a regular expression ({exc}): {pattern!r}") from exc
+            patterns[key] = str(pattern)
+        return ModelCard(tuple(sizes), tuple(steps), str(prompt) if prompt else None, source, **patterns)
 
     def describe(self) -> str:
         """One line: what the model supports ('' when it declares nothing)."""
@@ -134,6 +149,23 @@ class ModelCard:
             steps = " or ".join(str(s) for s in self.num_inference_steps)
             parts.append(f"{steps} step{'s' if self.num_inference_steps != (1,) else ''}")
         return ", ".join(parts)
+
+    def check_text(self, model_name: str, prompt: str, speak_text: str | None) -> tuple[str, ...]:
+        """Warnings for a prompt (or a text to speak) the model does not understand (empty: it does)."""
+        if speak_text is not None:
+            if self.speech_pattern and not re.fullmatch(self.speech_pattern, speak_text.strip()):
+                return (
+                    f"{model_name} speaks texts that match {self.speech_pattern!r}; {_clip(speak_text)} does "
+                    "not, so the audio may not say it",
+                )
+            return ()
+        if self.prompt_pattern and not re.fullmatch(self.prompt_pattern, prompt.strip()):
+            like = f" (like {self.example_prompt!r})" if self.example_prompt else ""
+            return (
+                f"{model_name} answers prompts that match {self.prompt_pattern!r}{like}; {_clip(prompt)} does "
+                "not, so the result may not show what the prompt asks",
+            )
+        return ()
 
     def check(self, model_name: str, parameters: dict[str, object]) -> tuple[str, ...]:
         """Warnings for resolved ``parameters`` outside what the model supports (empty: all supported)."""
@@ -150,6 +182,11 @@ class ModelCard:
             f"{model_name} supports {self.describe()}; this request asks for {' and '.join(asked)}, "
             "so the result may not show what the prompt asks",
         )
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    """``text`` quoted for a warning, cut at ``limit`` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def card_path(source: ModelSource) -> Path | None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine import GenerationParams, GenerationRequest
+from engine import GenerationParams, GenerationRequest, RunFinished
 from engine.engine import OmniEngine, build_engine
 from engine.modality import OutputModality
 from engine.models import describe_model, model_card
@@ -133,3 +133,23 @@ def test_eight_concurrent_dials_decode_right_and_equal_their_alone_samples(strea
     for k, a, c in zip(keys, alone, crowded, strict=True):
         assert decode(a.audio) == k
         assert np.array_equal(a.audio, c.audio)  # type: ignore[attr-defined]
+
+
+def test_prompts_it_was_not_trained_on_run_with_a_warning(streamed):
+    assert streamed.resolve(chat("4 1 7")).warnings == ()
+    assert streamed.resolve(speech("4 1 7")).warnings == ()
+    (warning,) = streamed.resolve(GenerationRequest("sing me a song", GenerationParams(seed=0))).warnings
+    assert "tiny-qwen-omni-dtmf answers prompts that match" in warning
+    assert "'dial 5 5 5 0 1 2 3'" in warning and "'sing me a song'" in warning
+    (warning,) = streamed.resolve(speech("dial 4 1 7")).warnings  # the speech input is the keys alone
+    assert "speaks texts that match" in warning and "'dial 4 1 7'" in warning
+    # Still runs: the engine answers, whatever it makes of it.
+    events = list(streamed.stream(streamed.resolve(GenerationRequest("sing", GenerationParams(seed=0)))))
+    assert isinstance(events[-1], RunFinished)
+
+
+def test_a_card_pattern_that_is_not_a_regular_expression_is_refused_naming_it():
+    from engine.models import ModelCard
+
+    with pytest.raises(ValueError, match="prompt_pattern is not a regular expression"):
+        ModelCard.parse({"prompt_pattern": "dial ("})
