@@ -162,7 +162,7 @@ def cmd_users(args: argparse.Namespace, settings: StudioSettings) -> int:
 
 
 def cmd_keys(args: argparse.Namespace, settings: StudioSettings) -> int:
-    from studio.store.accounts import AccountError
+    from studio.store.accounts import AccountError, KeyRecord
 
     store, accounts = _open_accounts(settings)
     try:
@@ -179,17 +179,7 @@ def cmd_keys(args: argparse.Namespace, settings: StudioSettings) -> int:
             elif not keys:
                 print("no API keys" + (f" of {args.user}" if args.user else ""))
             else:
-                rows = [
-                    [
-                        k.id,
-                        k.user,
-                        k.name or "",
-                        k.created_at.strftime("%Y-%m-%d %H:%M"),
-                        k.revoked_at.strftime("%Y-%m-%d %H:%M") if k.revoked_at else "",
-                    ]
-                    for k in keys
-                ]
-                print(_table(rows, ["ID", "USER", "NAME", "CREATED (UTC)", "REVOKED"]))
+                print(_table([k.table_row() for k in keys], list(KeyRecord.TABLE_HEADERS)))
         elif action == "revoke":
             key = accounts.revoke_key(args.key_id)
             print(

@@ -71,6 +71,13 @@ class KeyRecord:
     def revoked(self) -> bool:
         return self.revoked_at is not None
 
+    TABLE_HEADERS = ("ID", "USER", "NAME", "CREATED (UTC)", "REVOKED")
+
+    def table_row(self) -> list[str]:
+        """The key as a row of :attr:`TABLE_HEADERS` (``keys ls``, the Serving tab)."""
+        revoked = self.revoked_at.strftime("%Y-%m-%d %H:%M") if self.revoked_at else ""
+        return [self.id, self.user, self.name or "", self.created_at.strftime("%Y-%m-%d %H:%M"), revoked]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,

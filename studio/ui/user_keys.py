@@ -24,16 +24,7 @@ def key_rows(studio: Studio, identity: Identity) -> list[list[str]]:
     if accounts is None or not identity.accounts:
         return []
     keys = accounts.keys(None if identity.sees_all else identity.name or " nobody")
-    return [
-        [
-            k.id,
-            k.user,
-            k.name or "",
-            k.created_at.strftime("%Y-%m-%d %H:%M"),
-            k.revoked_at.strftime("%Y-%m-%d %H:%M") if k.revoked_at else "",
-        ]
-        for k in keys
-    ]
+    return [k.table_row() for k in keys]
 
 
 def keys_intro(identity: Identity) -> str:
