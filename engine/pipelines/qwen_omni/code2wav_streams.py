@@ -147,7 +147,6 @@ class SeededNoise:
 class ChunkWork:
     """One chunk ready to render: its DiT window and where its samples lie in it."""
 
-    render: StreamRender
     window: DiTWindow
     low: int  # the window's first code
     end: int  # the chunk's end (codes)
@@ -202,7 +201,7 @@ class StreamRender:
         end = min(self.start + plan.size(self.start), total)
         noise = self.noise.frames(low * plan.repeats, high * plan.repeats).to(stage.device)
         window = stage.window(job, codes[:, low:high].to(stage.device), self.speaker, self.voice, noise)
-        return ChunkWork(self, window, low, end, final and end >= total)
+        return ChunkWork(window, low, end, final and end >= total)
 
     def deliver(self, work: ChunkWork, mel: torch.Tensor) -> bool:
         """The chunk's samples from its window's ``mel`` (1, mels, frames), sent; True when the stream is

@@ -124,8 +124,9 @@ class BatchedFlow:
 
     def _time_rows(
         self, time: torch.Tensor, per_window: int
-    ) -> tuple[torch.Tensor, list[list[torch.Tensor]], list[torch.Tensor]]:
-        """The time embedding and the layers' modulations on ``per_window`` rows (as a window alone)."""
+    ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """The layers' and the final norm's modulations, from the time embedding on ``per_window`` rows (as
+        a window alone)."""
         dit = self.dit
         embedding = dit.time_embed(time.repeat(per_window))
         layers = []
@@ -134,7 +135,7 @@ class BatchedFlow:
             layers.append(list(torch.chunk(norm.linear(norm.silu(embedding)), 6, dim=1)))
         final = dit.norm_out
         scale, shift = torch.chunk(final.linear(final.silu(embedding)), 2, dim=1)
-        return embedding, layers, [scale, shift]
+        return layers, [scale, shift]
 
     # -- the flow -----------------------------------------------------------------------------------------
     def forward(
@@ -148,7 +149,7 @@ class BatchedFlow:
         per_window = 2 if cfg else 1
         # Row r of the batch is row r // windows of a window alone (its conditioned or unconditioned row).
         alone_row = torch.arange(per_window, device=state.device).repeat_interleave(windows)
-        _, layers, (scale, shift) = self._time_rows(time, per_window)
+        layers, (scale, shift) = self._time_rows(time, per_window)
         x = torch.cat([state, state], dim=0) if cfg else state
         hidden = dit.input_embed.proj(torch.cat((x, condition), dim=-1))
         cos, sin = self._rotary_for(frames, per_window, hidden)
