@@ -23,7 +23,8 @@ DIT_WIDTH_TENSORS = 6
 # once: a resnet's input, its GroupNorm and SiLU outputs and the convolution's output (oneDNN's reordered
 # copy of its input at times instead). Measured: 3.9 GiB (3.75 maps of 1 GiB) at 1024x1024, 256 channels.
 # oneDNN lays channels out in blocks of 16 (AVX-512): a toy VAE of 8 channels takes maps of 16 (measured:
-# 769 MiB decoding 2048x2048 at 8 channels, 6 maps of 8 = 3 of 16; tests/test_memory_estimate.py).
+# 769 MiB decoding 2048x2048 at 8 channels, 6 maps of 8 = 3 of 16; with AVX2 only, blocks of 8: 2.5 maps;
+# tests/test_memory_estimate.py). glibc's heap may hold freed smaller maps on top: the margin's part.
 VAE_DECODE_MAPS = 4
 CHANNEL_BLOCK = 16
 # The process the in-process stages share, on the CPU: the interpreter and its libraries (torch,
