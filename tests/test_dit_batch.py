@@ -51,7 +51,15 @@ def _voice(engine: OmniEngine, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return speaker["cond"].float(), speaker["ref_mel"].float()
 
 
-def _windows(engine: OmniEngine, count: int, codes: int, guidance: float = 0.5, steps: int = 4):
+def _windows(
+    engine: OmniEngine,
+    count: int,
+    codes: int,
+    guidance: float = 0.5,
+    steps: int = 4,
+    real: tuple[int | None, ...] = (),
+):
+    """``count`` random windows of ``codes`` codes; window i padded after ``real[i]`` frames if given."""
     flow: BatchedFlow = engine.runners[2].flow
     generator = torch.Generator().manual_seed(7)
     windows = []
@@ -60,7 +68,8 @@ def _windows(engine: OmniEngine, count: int, codes: int, guidance: float = 0.5, 
         ids = torch.randint(0, 100, (1, codes), generator=generator)
         noise = torch.randn((1, codes * 2, 80), generator=generator)
         voice = flow.voice(reference, guidance >= 1e-5)
-        windows.append(flow.window(ids, speaker, voice, noise, guidance, steps))
+        padded_from = real[i] if i < len(real) else None
+        windows.append(flow.window(ids, speaker, voice, noise, guidance, steps, padded_from))
     return flow, windows
 
 
@@ -89,7 +98,7 @@ def test_a_window_alone_is_the_library_forward_bit_for_bit(engine, one_thread, g
 
 
 def test_a_batch_gives_every_window_its_alone_mel_where_the_check_holds(engine, one_thread):
-    flow, windows = _windows(engine, 4, 36)
+    flow, windows = _windows(engine, 4, 36, real=(None, 50, None, 13))  # two end in padding
     holds = batch_holds(flow, 72, True, 8)
     alone = [flow.integrate([w]) for w in windows]
     together = flow.integrate(windows)
@@ -104,12 +113,46 @@ def test_the_check_refuses_a_batch_that_changes_a_window(engine, one_thread, mon
     flow = BatchedFlow(engine.runners[2].flow.dit)
     original = flow.forward
 
-    def drifting(time, state, condition, cfg):  # a kernel whose bits depend on the row count
-        out = original(time, state, condition, cfg)
+    def drifting(time, state, condition, cfg, real=None):  # a kernel whose bits depend on the row count
+        out = original(time, state, condition, cfg, real)
         return out + (state.shape[0] - 1) * 1e-7
 
     monkeypatch.setattr(flow, "forward", drifting)
     assert not batch_holds(flow, 48, True, 4)
+
+
+@pytest.mark.parametrize("real_codes", [30, 25, 13])
+def test_a_padded_window_renders_its_real_frames_as_the_window_without_padding(
+    engine, one_thread, real_codes
+):
+    """A last chunk's window padded to its block's end: the padding is masked out of the real frames'
+    attention, so their mel is the unpadded window's to float rounding, and never NaN; a padding that
+    leaked (no mask) moves them 40x more in this tiny model."""
+    flow, (padded,) = _windows(engine, 1, 36, real=(real_codes * 2,))
+    frames = real_codes * 2
+    speaker, reference = _voice(engine, "Chelsie")
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 100, (1, 36), generator=generator)[:, :real_codes]
+    voice = flow.voice(reference, True)
+    unpadded = flow.window(ids, speaker, voice, padded.start[:, :frames], 0.5, 4)
+    real = flow.integrate([padded])[:, :, :frames]
+    assert torch.isfinite(real).all()
+    alone = flow.integrate([unpadded])
+    assert float((real - alone).abs().max()) < 1e-6  # rounding (measured: up to 2.4e-7)
+    leaked = flow.window(ids.new_zeros(1, 36), speaker, voice, padded.start, 0.5, 4)
+    leaked.condition[:, :frames] = padded.condition[:, :frames]  # the same window, padding unmasked
+    assert float((flow.integrate([leaked])[:, :, :frames] - alone).abs().max()) > 5e-6  # 1e-5 to 3e-5
+
+
+def test_the_last_window_stops_at_the_end_of_its_last_codes_block(engine):
+    plan = code2wav_streams.ChunkPlan.of(engine.runners[2].model, 24)
+    assert plan.block == 12 and (plan.back, plan.ahead) == (12, 12)
+    assert plan.window(0, None) == (0, 36)  # the talker still speaking: the whole window
+    assert plan.window(0, 30) == (0, 36)  # 30 codes: padded to the block's end
+    assert plan.window(0, 13) == (0, 24)
+    assert plan.window(0, 24) == (0, 24)  # ends on a block: no padding
+    assert plan.window(24, 40) == (12, 48)
+    assert plan.window(24, 200) == (12, 84)  # the end far away: the whole window
 
 
 def _submit_streams(engine: OmniEngine, count: int) -> list[StageJob]:

@@ -198,8 +198,10 @@ class Code2WavStage(StageRunner):
         speaker: torch.Tensor,
         voice: torch.Tensor,
         start: torch.Tensor,
+        real: int | None = None,
     ) -> DiTWindow:
-        """The request's window of ``codes`` from noise ``start`` (its steps and guidance)."""
+        """The request's window of ``codes`` from noise ``start`` (its steps and guidance); ``real``: its
+        frames before any padding."""
         steps = int(job.params.get("num_inference_steps") or 10)
         guidance = float(job.params.get("guidance_scale", 0.5))
-        return self.flow.window(codes, speaker, voice, start, guidance, steps)
+        return self.flow.window(codes, speaker, voice, start, guidance, steps, real)

@@ -56,6 +56,7 @@ class Code2WavStage(Protocol):
         speaker: torch.Tensor,
         voice: torch.Tensor,
         start: torch.Tensor,
+        real: int | None = None,
     ) -> DiTWindow: ...
 
     def send(self, job: StageJob, samples: torch.Tensor) -> None: ...
@@ -118,11 +119,13 @@ class ChunkPlan:
 
     def window(self, start: int, total: int | None) -> tuple[int, int]:
         """The codes [low, high) rendered for the chunk starting at ``start``; ``total`` when all the
-        codes are known (the window stops there), None while the talker is still speaking."""
+        codes are known, None while the talker is still speaking. A window past the last code stops at
+        the end of that code's block: the codes from ``total`` to ``high`` are padding (so the last
+        chunks of utterances of different lengths share a few window lengths, and a DiT batch)."""
         low = max(0, start - self.back) // self.block * self.block
         end = start + self.size(start)
         high = -(-(end + self.ahead) // self.block) * self.block
-        return low, high if total is None else min(high, total)
+        return low, high if total is None else min(high, -(-total // self.block) * self.block)
 
 
 class SeededNoise:
@@ -200,7 +203,12 @@ class StreamRender:
         low, high = plan.window(self.start, total if final else None)
         end = min(self.start + plan.size(self.start), total)
         noise = self.noise.frames(low * plan.repeats, high * plan.repeats).to(stage.device)
-        window = stage.window(job, codes[:, low:high].to(stage.device), self.speaker, self.voice, noise)
+        window_codes = codes[:, low:high]
+        real = None
+        if high > total:  # the last block's padding: code 0, masked out of the real frames' attention
+            real = (total - low) * plan.repeats
+            window_codes = torch.cat([window_codes, window_codes.new_zeros((1, high - total))], dim=1)
+        window = stage.window(job, window_codes.to(stage.device), self.speaker, self.voice, noise, real)
         return ChunkWork(window, low, end, final and end >= total)
 
     def deliver(self, work: ChunkWork, mel: torch.Tensor) -> bool:
@@ -209,7 +217,8 @@ class StreamRender:
         stage, job, plan = self.stage, self.job, self.plan
         # The vocoder renders the chunk's frames and its reach either side, not the DiT's whole window.
         first, last = (self.start - work.low) * plan.repeats, (work.end - work.low) * plan.repeats
-        low, high = max(0, first - VOCODER_REACH_FRAMES), min(int(mel.shape[2]), last + VOCODER_REACH_FRAMES)
+        low = max(0, first - VOCODER_REACH_FRAMES)
+        high = min(work.window.real_frames, last + VOCODER_REACH_FRAMES)  # never the padding
         wave = stage.model.code2wav_bigvgan_model(mel[:, :, low:high]).reshape(-1).float().cpu()
         samples = wave[(first - low) * plan.hop : (last - low) * plan.hop].clone()
         if self.tempo is not None:

@@ -14,7 +14,12 @@ the same modules op for op, but:
   evaluation on the two rows (one without guidance) a window alone uses, and its rows are handed to every
   window;
 - the rest (the input projection, attention, the MLPs: products over ``rows x frames``, norms,
-  element-wise) runs once for all windows of one length. Those products see another row count in a batch,
+  element-wise) runs once for all windows of one length.
+
+A window may end in padding (a streamed utterance's last chunk, padded to a whole attention block so the
+last chunks of several streams share a length): its padded frames are masked out of its real frames'
+attention, the only place the DiT mixes frames, so they change nothing but rounding in the real ones
+(padded frames attend to their own block neighbourhood and are never read). Those products see another row count in a batch,
   so :func:`batch_holds` checks on the running machine (its thread, its kernels) that a batch gives every
   window its alone bits before the scheduler batches windows of that length; where it does not, each
   window is integrated alone.
@@ -52,10 +57,15 @@ class DiTWindow:
     guidance: float
     steps: int
     cfg: bool
+    real: int | None = None  # frames before the padding (None: no padding)
 
     @property
     def frames(self) -> int:
         return int(self.start.shape[1])
+
+    @property
+    def real_frames(self) -> int:
+        return self.frames if self.real is None else self.real
 
     @property
     def key(self) -> tuple[int, int, float, bool]:
@@ -89,9 +99,11 @@ class BatchedFlow:
         start: torch.Tensor,
         guidance: float,
         steps: int,
+        real: int | None = None,
     ) -> DiTWindow:
         """A window of ``codes`` (1, n) from noise ``start`` (1, n * repeats, mels) for the speaker
-        embedding ``speaker`` (1, E) and its :meth:`voice` output ``voice``."""
+        embedding ``speaker`` (1, E) and its :meth:`voice` output ``voice``; with ``real``, only its first
+        ``real`` frames are the utterance's (the rest is padding, masked out of their attention)."""
         dit = self.dit
         cfg = guidance >= 1e-5
         frames = int(start.shape[1])
@@ -102,7 +114,8 @@ class BatchedFlow:
             code_rows = torch.cat([code_rows, dit.text_embed(codes, drop_code=True)], dim=0)
         voice_rows = voice.unsqueeze(1).repeat(1, frames, 1)
         condition = torch.cat((voice_rows, code_rows, speaker_rows), dim=-1)
-        return DiTWindow(start, condition, float(guidance), int(steps), cfg)
+        padded = real is not None and real < frames
+        return DiTWindow(start, condition, float(guidance), int(steps), cfg, real if padded else None)
 
     # -- per length / per time --------------------------------------------------------------------------
     def _rotary_for(self, frames: int, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +126,7 @@ class BatchedFlow:
         return self._rotary[key]
 
     def _masks_for(self, frames: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's block mask (1, heads, frames, frames): who attends to whom in a window."""
         if frames not in self._masks:
             difference = self.dit._create_block_diff(like[:1])  # (1, heads, frames, frames), expanded
             self._masks[frames] = [
@@ -121,6 +135,23 @@ class BatchedFlow:
                 for layer in self.dit.transformer_blocks
             ]
         return self._masks[frames]
+
+    def _window_masks(
+        self, frames: int, real: Sequence[int | None], rows: int, like: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Each layer's mask for a batch of ``rows`` rows (row r is window r % windows): the block mask,
+        and in a padded window its real frames attend to real frames only."""
+        masks = self._masks_for(frames, like)
+        if all(r is None for r in real):
+            return [mask.expand(rows, -1, -1, -1) for mask in masks]
+        position = torch.arange(frames, device=like.device)
+        keep = []
+        for r in real:
+            is_real = position < (frames if r is None else r)
+            keep.append(is_real[None, :] | ~is_real[:, None])  # padded queries keep their neighbourhood
+        per_window = torch.stack(keep)[:, None]  # (windows, 1, frames, frames)
+        row_window = torch.arange(rows, device=like.device) % len(real)
+        return [(mask & per_window)[row_window] for mask in masks]
 
     def _time_rows(
         self, time: torch.Tensor, per_window: int
@@ -139,11 +170,17 @@ class BatchedFlow:
 
     # -- the flow -----------------------------------------------------------------------------------------
     def forward(
-        self, time: torch.Tensor, state: torch.Tensor, condition: torch.Tensor, cfg: bool
+        self,
+        time: torch.Tensor,
+        state: torch.Tensor,
+        condition: torch.Tensor,
+        cfg: bool,
+        real: Sequence[int | None] | None = None,
     ) -> torch.Tensor:
         """The DiT's output for ``state`` (windows, frames, mels) at ``time`` (a 0-d tensor):
         (rows, frames, mels), the conditioned rows of every window, then (with ``cfg``) their
-        unconditioned rows, as ``dit(..., apply_cfg=cfg)`` orders them."""
+        unconditioned rows, as ``dit(..., apply_cfg=cfg)`` orders them. ``real``: each window's frames
+        before its padding (None: none)."""
         dit = self.dit
         windows, frames = int(state.shape[0]), int(state.shape[1])
         per_window = 2 if cfg else 1
@@ -154,15 +191,15 @@ class BatchedFlow:
         hidden = dit.input_embed.proj(torch.cat((x, condition), dim=-1))
         cos, sin = self._rotary_for(frames, per_window, hidden)
         position = (cos[alone_row], sin[alone_row])
-        masks = self._masks_for(frames, hidden)
         rows = int(hidden.shape[0])
+        masks = self._window_masks(frames, real or [None] * windows, rows, hidden)
         for layer, mods, mask in zip(dit.transformer_blocks, layers, masks, strict=True):
             shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m[alone_row] for m in mods)
             norm = layer.attn_norm.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
             attention = layer.attn(
                 hidden_states=norm,
                 position_embeddings=position,
-                attention_mask=mask.expand(rows, -1, -1, -1),
+                attention_mask=mask,
             )
             hidden = hidden + gate_msa.unsqueeze(1) * attention
             norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
@@ -179,6 +216,7 @@ class BatchedFlow:
         first = windows[0]
         cfg, guidance = first.cfg, first.guidance
         count = len(windows)
+        real = [w.real for w in windows]
         if cfg:
             condition = torch.cat(
                 [w.condition[:1] for w in windows] + [w.condition[1:2] for w in windows], dim=0
@@ -189,7 +227,7 @@ class BatchedFlow:
         def velocity(time: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
             if check is not None:
                 check()
-            out = self.forward(time, state, condition, cfg)
+            out = self.forward(time, state, condition, cfg, real)
             if not cfg:
                 return out
             guided, unguided = out[:count], out[count:]
@@ -217,8 +255,9 @@ def batch_holds(flow: BatchedFlow, frames: int, cfg: bool, max_batch: int, seed:
     """Whether, on the running thread's kernels, a batch of up to ``max_batch`` windows of ``frames`` mel
     frames gives each window the bits of one DiT evaluation alone, at every position, among random others.
 
-    Random windows (codes, noise, speaker, reference, time); each batch size from 2 up is tried with the
-    windows rotated, so every window sits at several positions."""
+    Random windows (codes, noise, speaker, reference, time; every other one padded from a random frame);
+    each batch size from 2 up is tried with the windows rotated, so every window sits at several
+    positions."""
     dit = flow.dit
     generator = torch.Generator().manual_seed(seed)
     config = dit.config
@@ -232,18 +271,17 @@ def batch_holds(flow: BatchedFlow, frames: int, cfg: bool, max_batch: int, seed:
         return torch.randn(shape, generator=generator).to(device, dtype)
 
     windows = []
-    for _ in range(max_batch):
+    for index in range(max_batch):
         codes = torch.randint(0, int(config.num_embeds), (1, codes_per_window), generator=generator).to(
             device
         )
         reference = random(1, 24, int(config.mel_dim))
         speaker = random(1, int(config.enc_emb_dim))
         voice = flow.voice(reference, cfg)
-        windows.append(
-            flow.window(
-                codes, speaker, voice, random(1, codes_per_window * repeats, int(config.mel_dim)), guidance, 2
-            )
-        )
+        noise = random(1, codes_per_window * repeats, int(config.mel_dim))
+        # Every other window ends in padding (a last chunk's), from a random frame on.
+        real = None if index % 2 == 0 else int(torch.randint(1, noise.shape[1] + 1, (), generator=generator))
+        windows.append(flow.window(codes, speaker, voice, noise, guidance, 2, real))
     time = torch.rand((), generator=generator).to(device, dtype)
     alone = [flow.velocity([w])(time, w.start) for w in windows]
     for size in range(2, max_batch + 1):
