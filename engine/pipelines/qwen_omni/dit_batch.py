@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
+ADDITIVE_MASKS_KEPT = 8  # batch shapes whose attention masks are kept made
 
 
 def time_points(steps: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -83,6 +84,8 @@ class BatchedFlow:
         self._solver = RungeKutta4ODESolver
         self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int, list[torch.Tensor]] = {}
+        # Additive masks (0 where a frame attends, -inf where not), by (frames, padding, rows).
+        self._additive: dict[tuple[int, tuple[int | None, ...], int], list[torch.Tensor]] = {}
 
     # -- per window ---------------------------------------------------------------------------------------
     def voice(self, reference: torch.Tensor, cfg: bool) -> torch.Tensor:
@@ -126,32 +129,53 @@ class BatchedFlow:
         return self._rotary[key]
 
     def _masks_for(self, frames: int, like: torch.Tensor) -> list[torch.Tensor]:
-        """Each layer's block mask (1, heads, frames, frames): who attends to whom in a window."""
+        """Each layer's block mask (1, 1, frames, frames), the same for every head: who attends to whom
+        in a window. Layers with the same reach share one tensor."""
         if frames not in self._masks:
-            difference = self.dit._create_block_diff(like[:1])  # (1, heads, frames, frames), expanded
+            difference = self.dit._create_block_diff(like[:1])[:, :1]  # (1, 1, frames, frames)
+            reach: dict[tuple[float, float], torch.Tensor] = {}
+            for layer in self.dit.transformer_blocks:
+                back, ahead = float(layer.look_backward_block), float(layer.look_ahead_block)
+                if (back, ahead) not in reach:
+                    reach[(back, ahead)] = (difference >= -back) & (difference <= ahead)
             self._masks[frames] = [
-                (difference >= -float(layer.look_backward_block))
-                & (difference <= float(layer.look_ahead_block))
+                reach[(float(layer.look_backward_block), float(layer.look_ahead_block))]
                 for layer in self.dit.transformer_blocks
             ]
         return self._masks[frames]
 
     def _window_masks(
-        self, frames: int, real: Sequence[int | None], rows: int, like: torch.Tensor
+        self, frames: int, real: Sequence[int | None], per_window: int, like: torch.Tensor
     ) -> list[torch.Tensor]:
-        """Each layer's mask for a batch of ``rows`` rows (row r is window r % windows): the block mask,
-        and in a padded window its real frames attend to real frames only."""
-        masks = self._masks_for(frames, like)
-        if all(r is None for r in real):
-            return [mask.expand(rows, -1, -1, -1) for mask in masks]
-        position = torch.arange(frames, device=like.device)
-        keep = []
-        for r in real:
-            is_real = position < (frames if r is None else r)
-            keep.append(is_real[None, :] | ~is_real[:, None])  # padded queries keep their neighbourhood
-        per_window = torch.stack(keep)[:, None]  # (windows, 1, frames, frames)
-        row_window = torch.arange(rows, device=like.device) % len(real)
-        return [(mask & per_window)[row_window] for mask in masks]
+        """Each layer's attention mask for a batch of ``per_window`` rows per window (rows ordered as
+        :meth:`forward` orders them): the block mask, and in a padded window its real frames attend to
+        real frames only. Additive (0 or -inf: what torch's attention makes of a boolean mask at every
+        call), made once per batch shape, broadcast over the heads."""
+        padding = tuple(real) if any(r is not None for r in real) else ()
+        key = (frames, padding, per_window)
+        if key not in self._additive:
+            heads = int(self.dit.transformer_blocks[0].attn.heads)
+            made: dict[int, torch.Tensor] = {}  # one additive mask per distinct block mask
+            for block in self._masks_for(frames, like):
+                if id(block) in made:
+                    continue
+                mask = block
+                if padding:
+                    position = torch.arange(frames, device=like.device)
+                    keep = []
+                    for r in padding:
+                        is_real = position < (frames if r is None else r)
+                        keep.append(is_real[None, :] | ~is_real[:, None])  # padded rows: their blocks
+                    mask = (mask & torch.stack(keep)[:, None]).repeat(per_window, 1, 1, 1)
+                additive = torch.zeros(mask.shape, dtype=like.dtype, device=like.device)
+                made[id(block)] = additive.masked_fill_(~mask, float("-inf"))
+            if len(self._additive) >= ADDITIVE_MASKS_KEPT:
+                self._additive.pop(next(iter(self._additive)))  # the oldest batch shape
+            rows = per_window * len(real)
+            self._additive[key] = [
+                made[id(mask)].expand(rows, heads, -1, -1) for mask in self._masks_for(frames, like)
+            ]
+        return self._additive[key]
 
     def _time_rows(
         self, time: torch.Tensor, per_window: int
@@ -191,8 +215,7 @@ class BatchedFlow:
         hidden = dit.input_embed.proj(torch.cat((x, condition), dim=-1))
         cos, sin = self._rotary_for(frames, per_window, hidden)
         position = (cos[alone_row], sin[alone_row])
-        rows = int(hidden.shape[0])
-        masks = self._window_masks(frames, real or [None] * windows, rows, hidden)
+        masks = self._window_masks(frames, real or [None] * windows, per_window, hidden)
         for layer, mods, mask in zip(dit.transformer_blocks, layers, masks, strict=True):
             shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m[alone_row] for m in mods)
             norm = layer.attn_norm.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
