@@ -14,18 +14,18 @@ the same modules op for op, but:
   evaluation on the two rows (one without guidance) a window alone uses, and its rows are handed to every
   window;
 - the rest (the input projection, attention, the MLPs: products over ``rows x frames``, norms,
-  element-wise) runs once for all windows of one length.
-
-A window may end in padding (a streamed utterance's last chunk, padded to a whole attention block so the
-last chunks of several streams share a length): its padded frames are masked out of its real frames'
-attention, the only place the DiT mixes frames, so they change nothing but rounding in the real ones
-(padded frames attend to their own block neighbourhood and are never read). Those products see another row count in a batch,
+  element-wise) runs once for all windows of one length. Those products see another row count in a batch,
   so :func:`batch_holds` checks on the running machine (its thread, its kernels) that a batch gives every
   window its alone bits before the scheduler batches windows of that length; where it does not, each
   window is integrated alone.
 
-Alone (one window), the result is the library's forward bit for bit (tested), so a whole render through it
-still equals the one-shot ``generate``.
+A window may end in padding (a streamed utterance's last chunk, padded to a whole attention block so the
+last chunks of several streams share a length): its padded frames are masked out of its real frames'
+attention, the only place the DiT mixes frames, so they change nothing but rounding in the real ones
+(padded frames attend to their own block neighbourhood and are never read).
+
+Alone (one window without padding), the result is the library's forward bit for bit (tested), so a whole
+render through it still equals the one-shot ``generate``.
 """
 
 from __future__ import annotations
