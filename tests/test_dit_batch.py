@@ -121,6 +121,19 @@ def test_the_check_refuses_a_batch_that_changes_a_window(engine, one_thread, mon
     assert not batch_holds(flow, 48, True, 4)
 
 
+def test_batches_of_one_length_and_other_sizes_each_get_their_own_masks(engine, one_thread):
+    """The masks are made once per batch shape: a window alone, then four, three and alone again (the
+    whole render batches requests of one length too) each run, and alone gives the same mel each time."""
+    flow, windows = _windows(engine, 4, 36, steps=2)
+    flow = BatchedFlow(flow.dit)  # nothing made yet
+    alone = flow.integrate(windows[:1])
+    assert flow.integrate(windows).shape[0] == 4
+    assert flow.integrate(windows[:3]).shape[0] == 3
+    assert torch.equal(flow.integrate(windows[:1]), alone)
+    _, padded = _windows(engine, 2, 36, steps=2, real=(None, 50))
+    assert flow.integrate(padded).shape[0] == 2
+
+
 @pytest.mark.parametrize("real_codes", [30, 25, 13])
 def test_a_padded_window_renders_its_real_frames_as_the_window_without_padding(
     engine, one_thread, real_codes

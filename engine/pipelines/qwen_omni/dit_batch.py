@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
-ADDITIVE_MASKS_KEPT = 8  # batch shapes whose attention masks are kept made
+ADDITIVE_MASKS_KEPT = 16  # batch shapes whose attention masks are kept made
 
 
 def time_points(steps: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -84,7 +84,8 @@ class BatchedFlow:
         self._solver = RungeKutta4ODESolver
         self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[int, list[torch.Tensor]] = {}
-        # Additive masks (0 where a frame attends, -inf where not), by (frames, padding, rows).
+        # Additive masks (0 where a frame attends, -inf where not), by (frames, each window's padding,
+        # rows per window).
         self._additive: dict[tuple[int, tuple[int | None, ...], int], list[torch.Tensor]] = {}
 
     # -- per window ---------------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ class BatchedFlow:
         real frames only. Additive (0 or -inf: what torch's attention makes of a boolean mask at every
         call), made once per batch shape, broadcast over the heads."""
         padding = tuple(real) if any(r is not None for r in real) else ()
-        key = (frames, padding, per_window)
+        key = (frames, tuple(real), per_window)  # the windows' count and padding, the rows' count
         if key not in self._additive:
             heads = int(self.dit.transformer_blocks[0].attn.heads)
             made: dict[int, torch.Tensor] = {}  # one additive mask per distinct block mask
