@@ -152,29 +152,27 @@ class BatchedFlow:
         :meth:`forward` orders them): the block mask, and in a padded window its real frames attend to
         real frames only. Additive (0 or -inf: what torch's attention makes of a boolean mask at every
         call), made once per batch shape, broadcast over the heads."""
-        padding = tuple(real) if any(r is not None for r in real) else ()
         key = (frames, tuple(real), per_window)  # the windows' count and padding, the rows' count
         if key not in self._additive:
             heads = int(self.dit.transformer_blocks[0].attn.heads)
+            keep = None  # (windows, 1, frames, frames): a padded window's real frames see real frames only
+            if any(r is not None for r in real):
+                position = torch.arange(frames, device=like.device)
+                rows_real = [position < (frames if r is None else r) for r in real]
+                # Padded frames keep their block neighbourhood (never NaN, never read).
+                keep = torch.stack([r[None, :] | ~r[:, None] for r in rows_real])[:, None]
             made: dict[int, torch.Tensor] = {}  # one additive mask per distinct block mask
             for block in self._masks_for(frames, like):
                 if id(block) in made:
                     continue
-                mask = block
-                if padding:
-                    position = torch.arange(frames, device=like.device)
-                    keep = []
-                    for r in padding:
-                        is_real = position < (frames if r is None else r)
-                        keep.append(is_real[None, :] | ~is_real[:, None])  # padded rows: their blocks
-                    mask = (mask & torch.stack(keep)[:, None]).repeat(per_window, 1, 1, 1)
+                mask = block if keep is None else (block & keep).repeat(per_window, 1, 1, 1)
                 additive = torch.zeros(mask.shape, dtype=like.dtype, device=like.device)
                 made[id(block)] = additive.masked_fill_(~mask, float("-inf"))
             if len(self._additive) >= ADDITIVE_MASKS_KEPT:
                 self._additive.pop(next(iter(self._additive)))  # the oldest batch shape
             rows = per_window * len(real)
             self._additive[key] = [
-                made[id(mask)].expand(rows, heads, -1, -1) for mask in self._masks_for(frames, like)
+                made[id(block)].expand(rows, heads, -1, -1) for block in self._masks_for(frames, like)
             ]
         return self._additive[key]
 
