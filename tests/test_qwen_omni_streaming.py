@@ -23,7 +23,7 @@ from engine.engine import OmniEngine, build_engine
 from engine.events import AudioDelta, DiffusionStep, StageFinished, StageStatus
 from engine.modality import OutputAccumulator, OutputModality
 from engine.models import describe_model
-from engine.pipelines.qwen_omni.code2wav_streams import LATER_CHUNKS
+from engine.pipelines.qwen_omni.code2wav_streams import LATER_CHUNKS, ChunkPlan
 from engine.stages.base import StageJob
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed, chunking_problems
 from engine.tempo import stretch
@@ -31,6 +31,7 @@ from tests.conftest import tiny_deploy
 
 CHUNK = 12  # codes in the first chunk: one DiT attention block of the tiny model
 LATER = CHUNK * LATER_CHUNKS  # codes in every later chunk (docs/speech.md, "Chunk sizes")
+BLOCK = AHEAD = 12  # the tiny DiT's attention block, and the codes a chunk's window reaches past it
 SAMPLES_PER_CODE = 480  # 2 mel frames of 240 samples
 DEADLINE_S = 300  # bounds a hang only
 
@@ -82,6 +83,44 @@ class TalkerGate:
         del self.runner.emit_delta  # back to the class's method
 
 
+def chunk_count(codes: int) -> int:
+    """The chunks a stream of ``codes`` codes is rendered in (docs/speech.md, "Chunk sizes"): CHUNK
+    codes, then LATER each, except that an utterance ending inside a chunk's window (the chunk, AHEAD
+    codes and the rest of that block) ends with that chunk."""
+    start, count = 0, 0
+    while start < codes:
+        size = CHUNK if start == 0 else LATER
+        reach = -(-(start + size + AHEAD) // BLOCK) * BLOCK
+        start = codes if codes <= reach else start + size
+        count += 1
+    return count
+
+
+def test_an_utterance_ending_inside_a_chunks_window_ends_with_that_chunk(streaming):
+    """A remainder the window already holds is no chunk of its own: codes 13 to 24 come with the first
+    chunk (its window reaches 24), 25 make two chunks; from the engine's plan and from a real stream."""
+    plan = ChunkPlan.of(streaming.runners[2].model, CHUNK)
+    assert (plan.reach(0), plan.ready_at(0)) == (24, 25)  # the window, and one code more to know
+    assert [plan.end(0, total) for total in (5, 13, 24, 25, 200)] == [5, 13, 24, 12, 12]
+    assert plan.end(0, None) == 12 and plan.window(0, 24) == (0, 24)
+    assert (plan.reach(12), plan.end(12, 48), plan.end(12, 49)) == (48, 48, 36)
+    assert [chunk_count(n) for n in (5, 12, 13, 24, 25, 48, 49)] == [1, 1, 1, 1, 2, 2, 3]
+    runner = streaming.runners[2]
+    generator = torch.Generator().manual_seed(7)
+    for total in (24, 25):
+        codes = torch.randint(0, 100, (1, total), generator=generator)
+        feed = ChunkFeed()
+        feed.publish({"codes": codes}, final=True)
+        job = _code2wav_job(streaming, codes, 3, feed)
+        chunks: list[np.ndarray] = []
+        job.emit = lambda event, chunks=chunks: (
+            chunks.append(event.samples) if isinstance(event, AudioDelta) else None
+        )
+        with torch.inference_mode():
+            runner.stream(job, feed)
+        assert [c.size // SAMPLES_PER_CODE for c in chunks] == ([24] if total == 24 else [12, 13])
+
+
 def test_chunks_arrive_in_order_and_join_into_the_runs_audio(streaming):
     events = events_of(streaming, speak())
     finished = events[-1]
@@ -91,7 +130,9 @@ def test_chunks_arrive_in_order_and_join_into_the_runs_audio(streaming):
     assert len(chunks) >= 2  # seed 2 speaks more than one chunk
     sizes = [CHUNK] + [LATER] * (len(chunks) - 2)  # codes of every chunk but the last
     assert [c.size for c in chunks[:-1]] == [n * SAMPLES_PER_CODE for n in sizes]
-    assert 0 < chunks[-1].size <= LATER * SAMPLES_PER_CODE
+    # The last one takes what is left, up to its window's reach (an utterance ending inside it).
+    assert 0 < chunks[-1].size <= (LATER + AHEAD) * SAMPLES_PER_CODE
+    assert len(chunks) == chunk_count(audio.size // SAMPLES_PER_CODE)
     assert np.array_equal(np.concatenate(chunks), audio)
     assert 0.01 < float(np.sqrt(np.mean(audio**2))) < 0.9  # audible
     started = [e for e in events if isinstance(e, StageStarted) and e.stage_id == 2]
@@ -116,7 +157,7 @@ def test_a_stretched_stream_is_the_whole_utterance_stretched(streaming):
 def test_the_first_chunk_is_heard_while_the_talker_is_still_speaking(streaming):
     """The talker is held after two chunks' worth of codes: the first chunk still arrives, so code2wav
     started on the talker's partial output, not on its end."""
-    gate = TalkerGate(streaming, at=2 * CHUNK)
+    gate = TalkerGate(streaming, at=2 * CHUNK + 1)  # the first window's codes and one more
     first = threading.Event()
     events: list = []
     done = threading.Event()
@@ -144,7 +185,7 @@ def test_the_first_chunk_is_heard_while_the_talker_is_still_speaking(streaming):
 
 
 def test_cancel_after_the_first_chunk_stops_the_talker_and_code2wav(streaming):
-    gate = TalkerGate(streaming, at=2 * CHUNK)
+    gate = TalkerGate(streaming, at=2 * CHUNK + 1)
     events: list = []
     done = threading.Event()
     stopped = threading.Event()
@@ -230,7 +271,7 @@ def test_streamed_chunks_match_the_whole_utterance_render_within_the_documented_
     what the chunk windows' limited context costs (docs/speech.md, "Streaming, measured")."""
     runner = streaming.runners[2]
     streamed, codes = talker_codes(streaming, seed)
-    assert codes.shape[1] > CHUNK  # more than one chunk
+    assert codes.shape[1] > 2 * CHUNK  # more than one chunk (chunk_count)
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the stage's intra-op threads: the same kernels
     try:
@@ -294,7 +335,7 @@ def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming):
     play), then turns by whose listener runs out first; each stream's samples are its alone render's."""
     runner = streaming.runners[2]
     codes = {seed: talker_codes(streaming, seed)[1] for seed in (2, 5)}
-    assert all(c.shape[1] > CHUNK for c in codes.values())  # two chunks or more each
+    assert all(c.shape[1] > 2 * CHUNK for c in codes.values())  # two chunks or more each
     order: list[str] = []
     lock = threading.Lock()
     finished = {seed: threading.Event() for seed in codes}
@@ -316,9 +357,7 @@ def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming):
         runner.submit(job, lambda status, error, seed=seed: finished[seed].set())
     assert all(event.wait(DEADLINE_S) for event in finished.values())
     assert order[:3] == ["s2", "s5", "s2"]
-    assert [order.count(f"s{seed}") for seed in codes] == [
-        1 + -(-(c.shape[1] - CHUNK) // LATER) for c in codes.values()
-    ]
+    assert [order.count(f"s{seed}") for seed in codes] == [chunk_count(c.shape[1]) for c in codes.values()]
     for seed, job in jobs.items():
         alone_feed = ChunkFeed()
         alone_feed.publish({"codes": codes[seed]}, final=True)

@@ -113,18 +113,38 @@ class ChunkPlan:
         return cls(chunk, later, block, back, ahead, repeats, int(math.prod(vocoder.config.upsample_rates)))
 
     def size(self, start: int) -> int:
-        """Codes in the chunk starting at ``start``: the first is small (its audio comes soonest), later
-        ones larger (less context rendered per second of audio)."""
+        """Codes in the chunk starting at ``start`` when the utterance goes on past its window: the first
+        is small (its audio comes soonest), later ones larger (less context rendered per second of audio)."""
         return self.chunk if start == 0 else self.later
 
+    def reach(self, start: int) -> int:
+        """The codes the window of the chunk starting at ``start`` reaches: the chunk's end and ``ahead``,
+        to the end of that block."""
+        return -(-(start + self.size(start) + self.ahead) // self.block) * self.block
+
+    def ready_at(self, start: int) -> int:
+        """The codes the talker must have said, while still speaking, before the chunk starting at
+        ``start`` is rendered: its window and one more, which tells whether the utterance ends inside the
+        window (then the chunk takes the rest: :meth:`end`)."""
+        return self.reach(start) + 1
+
+    def end(self, start: int, total: int | None) -> int:
+        """Where the chunk starting at ``start`` ends; ``total`` when all the codes are known, None while
+        the talker is still speaking. An utterance that ends inside the chunk's window (at or before
+        :meth:`reach`) ends with this chunk: its window holds those codes anyway, so the rest costs no DiT
+        window and no vocoder call of its own. The end depends on the codes only (a chunk is rendered
+        before the talker has finished only when it has said more than :meth:`reach`)."""
+        if total is not None and total <= self.reach(start):
+            return total
+        return start + self.size(start)
+
     def window(self, start: int, total: int | None) -> tuple[int, int]:
-        """The codes [low, high) rendered for the chunk starting at ``start``; ``total`` when all the
-        codes are known, None while the talker is still speaking. A window past the last code stops at
-        the end of that code's block: the codes from ``total`` to ``high`` are padding (so the last
-        chunks of utterances of different lengths share a few window lengths, and a DiT batch)."""
+        """The codes [low, high) rendered for the chunk starting at ``start`` (``total`` as for
+        :meth:`end`). A window past the last code stops at the end of that code's block: the codes from
+        ``total`` to ``high`` are padding (so the last chunks of utterances of different lengths share a
+        few window lengths, and a DiT batch)."""
         low = max(0, start - self.back) // self.block * self.block
-        end = start + self.size(start)
-        high = -(-(end + self.ahead) // self.block) * self.block
+        high = -(-(self.end(start, total) + self.ahead) // self.block) * self.block
         return low, high if total is None else min(high, -(-total // self.block) * self.block)
 
 
@@ -177,7 +197,7 @@ class StreamRender:
 
     def ready(self, inputs: Mapping[str, Any], final: bool) -> bool:
         """Whether the next chunk can be rendered from ``inputs`` (the talker's codes so far)."""
-        return final or codes_in(inputs) >= self.plan.window(self.start, None)[1]
+        return final or codes_in(inputs) >= self.plan.ready_at(self.start)
 
     def deadline(self) -> float:
         """When its listener runs out of audio (monotonic seconds): a stream that has sent nothing yet
@@ -201,7 +221,7 @@ class StreamRender:
             self.finish()
             return None
         low, high = plan.window(self.start, total if final else None)
-        end = min(self.start + plan.size(self.start), total)
+        end = min(plan.end(self.start, total if final else None), total)
         noise = self.noise.frames(low * plan.repeats, high * plan.repeats).to(stage.device)
         window_codes = codes[:, low:high]
         real = None
