@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import soundfile as sf
 
 from tests.servers import LiveServer, start_server
+from tools.dtmf.decode import decode
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SHELL = {"bash", "sh", "shell", "console"}
@@ -132,3 +134,7 @@ def test_readme_example_runs(example, servers, tmp_path):
         f"README.md line {example.line} ({example.language}) failed with {done.returncode}:\n"
         f"{code}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
     )
+    if "dial 4 1 7" in code:  # the speech demo: what its comment promises, the reply and the tones
+        assert "4 1 7" in done.stdout.splitlines()  # the text reply, a line of its own
+        samples, rate = sf.read(tmp_path / "keys.wav", dtype="float32")
+        assert decode(samples, rate) == "4 1 7"
