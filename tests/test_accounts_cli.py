@@ -139,6 +139,8 @@ def test_keys_create_ls_revoke_and_nothing_in_clear(
         assert Accounts(store).identify_key(key) is None
     code, out, _ = cli(capsys, db_url, data_dir, "keys", "ls", "--user", "alice")
     assert listed["id"] in out and "REVOKED" in out
+    code, _, err = cli(capsys, db_url, data_dir, "keys", "ls", "--user", "nobody")
+    assert code == 2 and "--user: no user named 'nobody'" in err
     code, _, err = cli(capsys, db_url, data_dir, "keys", "revoke", "0000000000")
     assert code == 2 and "no API key" in err
 

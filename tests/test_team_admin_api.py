@@ -131,3 +131,24 @@ def test_only_an_admin_may_change_what_everyone_runs(store: RunStore) -> None:
     assert (
         "Only an admin can switch the studio to a recipe's model and deploy config; logged in as bob." in text
     )
+
+
+def test_a_shared_studio_keeps_needing_a_key_after_its_last_account_goes(store: RunStore) -> None:
+    """`--share` with accounts generates no API key (launch sets ``accounts_required``): removing the last
+    account must not open the public API. Unshared, a studio without accounts is open again, as before."""
+    for required in (True, False):
+        state = ServingState(None, ServingOptions())
+        state.accounts = Accounts(store)
+        state.accounts_required = required
+        client = TestClient(create_app(state))
+        state.accounts.add_user("alice", PASSWORD)
+        key = state.accounts.create_key("alice").key
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/v1/models", headers=bearer(key)).status_code != 401
+        state.accounts.remove_user("alice")
+        if required:
+            assert client.get("/v1/models").status_code == 401
+            assert client.get("/v1/models", headers=bearer(key)).status_code == 401
+            assert client.get("/metrics").status_code == 401
+        else:
+            assert client.get("/v1/models").status_code != 401

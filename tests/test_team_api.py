@@ -251,3 +251,7 @@ def test_share_with_accounts_generates_no_login_and_says_so(
             f"{server.url}/v1/models", headers={"Authorization": f"Bearer {keys['bob']}"}, timeout=30
         )
         assert models.status_code == 200
+        # Every account removed while it runs: the shared API still needs a key (none was generated).
+        for name in ("alice", "bob", "root"):
+            cli(capsys, db, data, "users", "remove", name)
+        assert httpx.get(f"{server.url}/v1/models", timeout=30).status_code == 401

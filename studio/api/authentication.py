@@ -36,7 +36,10 @@ class ServingState(Protocol):
 
 def accounts_on(state: ServingState) -> bool:
     """Whether the studio behind ``state`` has accounts (read from the store: users added while it runs
-    count at once)."""
+    count at once). A studio shared with accounts (``accounts_required``) keeps needing a user's key even
+    when its last account is removed: its public link was given no generated key to fall back on."""
+    if getattr(state, "accounts_required", False):
+        return True
     accounts = getattr(state, "accounts", None)
     return accounts is not None and accounts.configured()
 

@@ -86,6 +86,8 @@ class ServingState:
         self.board = RequestBoard()  # requests in the engine, for the Queue panel (studio/runs/inflight.py)
         self.jobs: JobService | None = None  # batch jobs (studio/jobs/service.py), set once the store is open
         self.accounts: Accounts | None = None  # team accounts (docs/team.md), set once the store is open
+        # --share with accounts: /v1 needs an account's key (or --api-key) even after the last account goes
+        self.accounts_required = False
         if engine is not None:
             self.set_engine(engine)
 

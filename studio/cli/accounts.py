@@ -173,6 +173,8 @@ def cmd_keys(args: argparse.Namespace, settings: StudioSettings) -> int:
             print(f"API key {made.record.id} for {made.record.user}{label}; it is shown only now:")
             print(made.key)
         elif action == "ls":
+            if args.user is not None and accounts.user(args.user) is None:
+                raise AccountError(f"--user: no user named {args.user!r} (omni-studio users ls lists them)")
             keys = accounts.keys(args.user)
             if args.json:
                 print(json.dumps([k.to_dict() for k in keys], indent=2))

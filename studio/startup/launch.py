@@ -389,6 +389,8 @@ def _serve_ui(
     recorder = open_recorder(settings)
     serving = ServingState(engine, options, recorder=recorder, source="api")
     serving.accounts = accounts = open_accounts(recorder)
+    # Shared with accounts, no key was generated: removing the last account must not open the public API.
+    serving.accounts_required = settings.share and team
     serving.jobs = start_jobs(serving, recorder, settings)  # resumes unfinished jobs (docs/jobs.md)
     # The API serves from now on, while Gradio still imports and builds the page (seconds); /health stays
     # "starting" until the whole studio is up (README, first section).
