@@ -248,3 +248,34 @@ def test_where_the_check_fails_the_chunks_render_alone_with_the_same_samples(eng
     for job in jobs:
         assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
     scheduler.batching.clear()  # the next test checks again
+
+
+def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outlive_its_failure(engine):
+    """With a vocoder process (docs/speech.md, "The vocoder on the second core") the chunks' samples are
+    the alone render's, made in this process; when the process dies, the next chunk is vocoded here and
+    every stream still equals its alone samples."""
+    _submit_streams(engine, 1)  # the scheduler exists
+    scheduler = _scheduler(engine)
+    if scheduler._starter is not None:  # started by an earlier test's concurrent streams
+        scheduler._starter.join()
+    if scheduler._remote is None:  # a one-core machine never starts it: start it here
+        before = torch.get_num_threads()
+        try:
+            scheduler._start_remote()
+        finally:
+            torch.set_num_threads(before)
+    remote = scheduler._remote
+    assert remote is not None and scheduler._handing_over
+    frames: list[int] = []
+    render = remote.render
+    remote.render = lambda mel: frames.append(int(mel.shape[-1])) or render(mel)  # type: ignore[method-assign]
+    jobs = _submit_streams(engine, 4)
+    assert len(frames) >= 8  # every chunk of the four streams went through the process
+    for job in jobs:
+        assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
+    remote._child.kill()
+    remote._child.wait()
+    jobs = _submit_streams(engine, 4)
+    assert scheduler._remote is None  # it failed: the chunks are vocoded in this process from then on
+    for job in jobs:
+        assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index

@@ -12,12 +12,14 @@ chunks of its window's length in the same DiT batch.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +27,7 @@ import torch
 from engine.config import ResolvedStage
 from engine.events import DiffusionStep, StageStatus
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow, batch_holds
+from engine.pipelines.qwen_omni.vocoder_process import VocoderProcess
 from engine.stages.base import JobDone, StageCancelled, StageJob
 from engine.streaming import CANCEL_POLL_S, CHUNK_FEED_KEY, ChunkFeed
 from engine.tempo import Tempo
@@ -34,6 +37,7 @@ class Code2WavStage(Protocol):
     """What the streams need of code2wav's runner (``engine/pipelines/qwen_omni/code2wav.py``)."""
 
     model: Any
+    model_path: Path
     flow: BatchedFlow
     stage: ResolvedStage
     device: torch.device
@@ -148,6 +152,9 @@ class ChunkPlan:
         return low, high if total is None else min(high, -(-total // self.block) * self.block)
 
 
+Vocoder = Callable[[torch.Tensor], torch.Tensor]  # mel (1, mels, frames) -> samples (1-D float32, CPU)
+
+
 class SeededNoise:
     """The ODE's starting noise for a streamed render, drawn from the request's seed frame by frame as
     windows reach further: the same rows a single draw of the whole utterance's frames gives (torch's
@@ -172,8 +179,10 @@ class ChunkWork:
 
     window: DiTWindow
     low: int  # the window's first code
+    start: int  # the chunk's first code
     end: int  # the chunk's end (codes)
     last: bool  # the utterance's last chunk
+    seconds: float  # the chunk's audio, as played (its tempo applied)
 
 
 class StreamRender:
@@ -194,6 +203,8 @@ class StreamRender:
         self.arrived = time.monotonic()
         self.first_sound: float | None = None  # when its first samples went out
         self.seconds_out = 0.0  # audio seconds sent so far
+        self.seconds_queued = 0.0  # audio seconds past the DiT, not sent yet (at the vocoder)
+        self.ended = False  # finished, failed or cancelled: nothing more is sent (ChunkScheduler)
 
     def ready(self, inputs: Mapping[str, Any], final: bool) -> bool:
         """Whether the next chunk can be rendered from ``inputs`` (the talker's codes so far)."""
@@ -201,10 +212,9 @@ class StreamRender:
 
     def deadline(self) -> float:
         """When its listener runs out of audio (monotonic seconds): a stream that has sent nothing yet
-        is due since it arrived."""
-        if self.first_sound is None:
-            return self.arrived
-        return self.first_sound + self.seconds_out
+        is due since it arrived; the audio of its chunks at the vocoder counts as sent."""
+        start = self.arrived if self.first_sound is None else self.first_sound
+        return start + self.seconds_out + self.seconds_queued
 
     def check(self) -> None:
         if self.job.cancelled:
@@ -229,20 +239,37 @@ class StreamRender:
             real = (total - low) * plan.repeats
             window_codes = torch.cat([window_codes, window_codes.new_zeros((1, high - total))], dim=1)
         window = stage.window(job, window_codes.to(stage.device), self.speaker, self.voice, noise, real)
-        return ChunkWork(window, low, end, final and end >= total)
+        seconds = (end - self.start) * plan.repeats * plan.hop / stage.sample_rate / speed_of(job)
+        return ChunkWork(window, low, self.start, end, final and end >= total, seconds)
 
-    def deliver(self, work: ChunkWork, mel: torch.Tensor) -> bool:
-        """The chunk's samples from its window's ``mel`` (1, mels, frames), sent; True when the stream is
-        finished."""
-        stage, job, plan = self.stage, self.job, self.plan
-        # The vocoder renders the chunk's frames and its reach either side, not the DiT's whole window.
-        first, last = (self.start - work.low) * plan.repeats, (work.end - work.low) * plan.repeats
+    def advance(self, work: ChunkWork) -> None:
+        """The chunk's mel is made: the stream's next chunk starts after it (its samples may still be at
+        the vocoder: :meth:`deliver` sends them, in order)."""
+        self.start = work.end
+        self.seconds_queued += work.seconds
+
+    def vocode(self, work: ChunkWork, mel: torch.Tensor, vocoder: Vocoder | None = None) -> torch.Tensor:
+        """The chunk's samples from its window's ``mel`` (1, mels, frames): the vocoder (``vocoder``, else
+        the stage's BigVGAN in this process) renders the chunk's frames and its reach either side, not the
+        DiT's whole window."""
+        plan = self.plan
+        first, last = (work.start - work.low) * plan.repeats, (work.end - work.low) * plan.repeats
         low = max(0, first - VOCODER_REACH_FRAMES)
         high = min(work.window.real_frames, last + VOCODER_REACH_FRAMES)  # never the padding
-        wave = stage.model.code2wav_bigvgan_model(mel[:, :, low:high]).reshape(-1).float().cpu()
-        samples = wave[(first - low) * plan.hop : (last - low) * plan.hop].clone()
+        part = mel[:, :, low:high].contiguous()  # as a vocoder process receives it
+        if vocoder is None:
+            wave = self.stage.model.code2wav_bigvgan_model(part).reshape(-1).float().cpu()
+        else:
+            wave = vocoder(part)
+        return wave[(first - low) * plan.hop : (last - low) * plan.hop].clone()
+
+    def deliver(self, work: ChunkWork, samples: torch.Tensor) -> bool:
+        """Send the chunk's ``samples`` (:meth:`vocode`; the chunks of a stream in order); True when the
+        stream is finished."""
+        stage, job = self.stage, self.job
         if self.tempo is not None:
             samples = torch.from_numpy(self.tempo.push(samples.numpy()))
+        self.seconds_queued -= work.seconds
         self.send(samples)
         self.rendered += 1
         job.emit(
@@ -254,7 +281,6 @@ class StreamRender:
                 total=self.rendered if work.last else 0,
             )
         )
-        self.start = work.end
         if work.last:
             self.finish()
         return work.last
@@ -264,7 +290,9 @@ class StreamRender:
         work = self.prepare()
         if work is None:
             return True
-        return self.deliver(work, self.stage.flow.integrate([work.window], self.check))
+        mel = self.stage.flow.integrate([work.window], self.check)
+        self.advance(work)
+        return self.deliver(work, self.vocode(work, mel))
 
     def finish(self) -> None:
         if self.tempo is not None:  # the stretcher's last samples (for an empty utterance: none)
@@ -281,15 +309,23 @@ class StreamRender:
 
 
 Stream = tuple[StreamRender, JobDone]
+# A chunk past the DiT, for the vocoder: its stream, the mel, or (None, None) for the stream's end once
+# its earlier chunks are sent (a feed that ended on a chunk boundary).
+VocoderItem = tuple[StreamRender, JobDone, ChunkWork | None, torch.Tensor | None]
 
 
 class ChunkScheduler:
-    """One thread that renders the chunks of every stream in flight, the most urgent ready chunk first
+    """Renders the chunks of every stream in flight. Its thread takes the most urgent ready chunk
     (earliest :meth:`StreamRender.deadline`; arrival order breaks ties), together with the other ready
     chunks whose windows have its length (one DiT batch, :class:`~engine.pipelines.qwen_omni.dit_batch.
     BatchedFlow`, where :func:`batch_holds` finds that a batch gives each window its alone bits on this
-    machine; else one after another). A stream joins as soon as the stage worker hands it over and leaves
-    when finished, failed or cancelled; a failure is its own (the others go on)."""
+    machine; else one after another), and vocodes and sends them. Where the machine has a second core
+    for a small model, a vocoder process (:class:`~engine.pipelines.qwen_omni.vocoder_process.
+    VocoderProcess`, checked to give this process's bits) renders the chunks' samples instead, fed by a
+    second thread the most urgent first (a stream's chunks in order), while this one integrates the next
+    batch (docs/speech.md, "The vocoder on the second core"). A stream joins as soon as the stage worker
+    hands it over and leaves when finished, failed or cancelled; a failure is its own (the others go
+    on)."""
 
     def __init__(self, stage: Code2WavStage) -> None:
         self.stage = stage
@@ -298,72 +334,125 @@ class ChunkScheduler:
         self.batch_sizes: Counter[int] = Counter()  # DiT batches rendered, by windows per batch
         self._inbox: queue.SimpleQueue[tuple[StageJob, JobDone] | None] = queue.SimpleQueue()
         self._wake = threading.Event()  # set by a feed's publication or close, and by a new arrival
-        self._thread = threading.Thread(
-            target=self._loop, name=f"omni-code2wav-{stage.stage_id}", daemon=True
+        # (deadline, order, item): a stream's chunks have rising deadlines, so they leave in order
+        self._vocoder_queue: queue.PriorityQueue[tuple[float, int, VocoderItem | None]] = (
+            queue.PriorityQueue()
         )
+        self._queued = 0  # the vocoder queue's tie-break: the order items were put
+        self._ends = threading.Lock()  # a stream ends once, and nothing is sent for it after
+        self._remote: VocoderProcess | None = None  # the vocoder process, once started and checked
+        self._handing_over = False  # set once it is: every chunk goes through the vocoder thread from then
+        self._closed = threading.Event()
+        name = f"omni-code2wav-{stage.stage_id}"
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._vocoder = threading.Thread(target=self._vocode, name=f"{name}-vocoder", daemon=True)
+        self._vocoder.start()
         self._thread.start()
+        self._remote_wanted = self._second_core()  # started when a second stream is in flight
+        self._starter: threading.Thread | None = None  # the thread starting it
+
+    def _want_remote(self) -> None:
+        if self._remote_wanted:
+            self._remote_wanted = False
+            name = f"omni-code2wav-{self.stage.stage_id}-start"
+            self._starter = threading.Thread(target=self._start_remote, name=name, daemon=True)
+            self._starter.start()
+
+    def _second_core(self) -> bool:
+        """Whether a vocoder process may pay: a CPU stage whose model runs on one thread, on a machine
+        with more than one core for this process (it is started once two streams are in flight)."""
+        if self.stage.device.type != "cpu" or self.stage.intra_op_threads != 1:
+            return False
+        return len(os.sched_getaffinity(0)) >= 2 if hasattr(os, "sched_getaffinity") else False
+
+    def _start_remote(self) -> None:
+        self._threads()
+        with torch.inference_mode():
+            remote = VocoderProcess.start(self.stage.model_path, 1, self.stage.model.code2wav_bigvgan_model)
+        if remote is None:
+            return
+        if self._closed.is_set():
+            remote.close()
+            return
+        self._remote = remote
+        self._handing_over = True
 
     def submit(self, job: StageJob, done: JobDone) -> None:
         self._inbox.put((job, done))
         self._wake.set()
 
     def close(self) -> None:
+        self._closed.set()
         self._inbox.put(None)
         self._wake.set()
         self._thread.join(timeout=30)
+        self._vocoder.join(timeout=30)
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close()
 
-    def _loop(self) -> None:
+    def _threads(self) -> None:
         threads = self.stage.intra_op_threads
         if threads is not None:
             torch.set_num_threads(threads)  # this thread's setting only
+
+    def _loop(self) -> None:
+        self._threads()
         streams: dict[int, Stream] = {}
         order = 0  # arrival order, the tie-break
         arrival: dict[int, int] = {}
-        with torch.inference_mode():
-            while True:
+        try:
+            with torch.inference_mode():
                 while True:
-                    try:
-                        item = self._inbox.get_nowait() if streams else self._inbox.get()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        for _, done in streams.values():
-                            done(StageStatus.CANCELLED, None)
-                        return
-                    job, done = item
-                    admitted = self._admit(job, done)
-                    if admitted is not None:
-                        key = id(job)
-                        streams[key], arrival[key] = (admitted, done), order
-                        order += 1
-                for key, (render, done) in list(streams.items()):
-                    if render.job.cancelled:
-                        del streams[key]
-                        done(StageStatus.CANCELLED, None)
-                self._wake.clear()  # a publication from here on wakes the wait below
-                due = sorted(
-                    (render.deadline(), arrival[key], key)
-                    for key, (render, _) in streams.items()
-                    if render.ready(*render.feed.snapshot())
-                )
-                if not due:
-                    self._wake.wait(CANCEL_POLL_S)
-                    continue
-                self._render([key for _, _, key in due], streams)
+                    while True:
+                        try:
+                            item = self._inbox.get_nowait() if streams else self._inbox.get()
+                        except queue.Empty:
+                            break
+                        if item is None:
+                            for render, done in streams.values():
+                                self._end(render, done, StageCancelled())
+                            return
+                        job, done = item
+                        admitted = self._admit(job, done)
+                        if admitted is not None:
+                            key = id(job)
+                            streams[key], arrival[key] = (admitted, done), order
+                            order += 1
+                            if len(streams) > 1:
+                                self._want_remote()
+                    for key, (render, done) in list(streams.items()):
+                        if render.job.cancelled or render.ended:  # ended: failed at the vocoder
+                            del streams[key]
+                            self._end(render, done, StageCancelled())
+                    self._wake.clear()  # a publication from here on wakes the wait below
+                    due = sorted(
+                        (render.deadline(), arrival[key], key)
+                        for key, (render, _) in streams.items()
+                        if render.ready(*render.feed.snapshot())
+                    )
+                    if not due:
+                        self._wake.wait(CANCEL_POLL_S)
+                        continue
+                    self._render([key for _, _, key in due], streams)
+        finally:
+            self._to_vocoder(math.inf, None)  # the vocoder sends what it has, then stops
 
     def _render(self, due: list[int], streams: dict[int, Stream]) -> None:
-        """Render the most urgent ready chunk (``due[0]``) and, in one batch with it, the other ready
-        chunks whose windows match it (up to ``max_num_seqs``)."""
+        """Integrate the most urgent ready chunk (``due[0]``) and, in one batch with it, the other ready
+        chunks whose windows match it (up to ``max_num_seqs``); hand their mels to the vocoder."""
         works: list[tuple[int, ChunkWork]] = []
         for key in due:
             render, done = streams[key]
             try:
                 work = render.prepare()
             except Exception as exc:  # this stream fails; the others go on
-                self._end(key, streams, exc)
+                del streams[key]
+                self._end(render, done, exc)
                 continue
-            if work is None:  # finished
-                self._end(key, streams, None)
+            if work is None:  # every code is rendered: it ends once its chunks at the vocoder are sent
+                del streams[key]
+                self._hand_on(render.deadline(), (render, done, None, None))
                 continue
             if works and (work.window.key != works[0][1].window.key or not self._batches(work)):
                 continue  # prepared again next time: preparing has no effect on the stream
@@ -378,20 +467,83 @@ class ChunkScheduler:
         except Exception:  # rendered alone, so a failure is the stream's own
             mels = None
         for row, (key, work) in enumerate(works):
-            render, _ = streams[key]
+            render, done = streams[key]
             try:
-                render.check()  # a stream cancelled during the batch sends nothing more
                 mel = (
                     mels[row : row + 1]
                     if mels is not None
                     else self.stage.flow.integrate([work.window], render.check)
                 )
-                finished = render.deliver(work, mel)
             except Exception as exc:
-                self._end(key, streams, exc)
+                del streams[key]
+                self._end(render, done, exc)
                 continue
-            if finished:
-                self._end(key, streams, None)
+            deadline = render.deadline()
+            render.advance(work)
+            if work.last:  # nothing more to integrate: the vocoder ends it
+                del streams[key]
+            if not self._hand_on(deadline, (render, done, work, mel)) and render.ended:
+                streams.pop(key, None)
+
+    def _hand_on(self, deadline: float, item: VocoderItem) -> bool:
+        """Give a chunk past the DiT to the vocoder thread (True), or, before there is a vocoder
+        process, vocode and send it here (False)."""
+        if self._handing_over:
+            self._to_vocoder(deadline, item)
+            return True
+        self._send(item, None)
+        return False
+
+    def _to_vocoder(self, deadline: float, item: VocoderItem | None) -> None:
+        self._queued += 1
+        self._vocoder_queue.put((deadline, self._queued, item))
+
+    def _vocode(self) -> None:
+        """The vocoder thread: each chunk's samples from the vocoder process, sent, the most urgent
+        first. If the process fails, the chunks are vocoded here from then on."""
+        self._threads()
+        with torch.inference_mode():
+            while True:
+                _, _, item = self._vocoder_queue.get()
+                if item is None:
+                    return
+                self._send(item, self._remote)
+
+    def _send(self, item: VocoderItem, remote: VocoderProcess | None) -> None:
+        """Vocode a chunk (by ``remote``, else in this process) and send it, or end a stream whose chunks
+        are all sent; a stream that has ended meanwhile sends nothing."""
+        render, done, work, mel = item
+        if render.ended:
+            return
+        try:
+            render.check()  # a stream cancelled since sends nothing more
+            samples = None
+            if work is not None and mel is not None:
+                samples = self._vocoded(render, work, mel, remote)
+            with self._ends:
+                if render.ended:
+                    return
+                finished = True
+                if work is None or samples is None:
+                    render.finish()
+                else:
+                    finished = render.deliver(work, samples)
+        except Exception as exc:
+            self._end(render, done, exc)
+            return
+        if finished:
+            self._end(render, done, None)
+
+    def _vocoded(
+        self, render: StreamRender, work: ChunkWork, mel: torch.Tensor, remote: VocoderProcess | None
+    ) -> torch.Tensor:
+        if remote is not None:
+            try:
+                return render.vocode(work, mel, remote.render)
+            except (RuntimeError, OSError, EOFError):  # the process failed: vocode here from now on
+                self._remote = None
+                remote.close()
+        return render.vocode(work, mel)
 
     def _batches(self, work: ChunkWork) -> bool:
         """Whether windows of this one's length may share a DiT batch on this machine (checked once)."""
@@ -401,9 +553,12 @@ class ChunkScheduler:
             self.batching[key] = batch_holds(self.stage.flow, window.frames, window.cfg, self.max_batch)
         return self.batching[key]
 
-    @staticmethod
-    def _end(key: int, streams: dict[int, Stream], error: Exception | None) -> None:
-        _, done = streams.pop(key)
+    def _end(self, render: StreamRender, done: JobDone, error: Exception | None) -> None:
+        """The stream is finished (``error`` None), cancelled or failed: its ``done``, once."""
+        with self._ends:
+            if render.ended:
+                return
+            render.ended = True
         if error is None:
             done(StageStatus.SUCCEEDED, None)
         elif isinstance(error, StageCancelled):

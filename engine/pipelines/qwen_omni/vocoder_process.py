@@ -1,0 +1,148 @@
+"""code2wav's vocoder in a process of its own, for streamed chunks (docs/speech.md, "The vocoder on the
+second core").
+
+One Python process runs one bytecode at a time (the GIL): BigVGAN over a chunk is ~230 small convolutions
+and element-wise ops, and run on a second thread beside the DiT it mostly waits for the lock (measured: no
+faster, and a later first chunk). A child process with the same BigVGAN weights renders the chunks'
+samples while this process integrates the next DiT batch. It is the same code on the same CPU with the
+same thread count, so it gives the in-process vocoder's bits; :meth:`VocoderProcess.start` checks that on
+a random mel before the process is used, and any difference or failure leaves the vocoding in process.
+
+The protocol: length-prefixed pickles over the child's stdin and a duplicate of its stdout (the child's
+own stdout goes to its stderr, so nothing a library prints can corrupt a reply). A request is a float32
+mel (1, mels, frames) as numpy; a reply its samples (1-D float32 numpy), or an error's text.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+HEADER = struct.Struct("<Q")  # the pickle's length
+START_TIMEOUT_S = 120.0  # importing torch and transformers and loading BigVGAN, on a busy machine
+CHECK_FRAMES = 40  # the random mel the start-up check renders both ways
+
+
+def _write(stream: IO[bytes], payload: Any) -> None:
+    data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read(stream: IO[bytes]) -> Any:
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        raise EOFError("the vocoder process closed its pipe")
+    (size,) = HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError("the vocoder process closed its pipe")
+    return pickle.loads(data)  # noqa: S301  # our own child's replies
+
+
+def load_vocoder(model_path: Path) -> torch.nn.Module:
+    """BigVGAN from the checkpoint's ``token2wav`` weights, in float32 (as code2wav loads it)."""
+    from transformers import Qwen2_5OmniToken2WavModel
+
+    from engine.pipelines.qwen_omni.checkpoint import omni_config, part_state_dict
+
+    config = omni_config(model_path).token2wav_config
+    model = Qwen2_5OmniToken2WavModel._from_config(config)
+    model.load_state_dict(part_state_dict(model_path, "token2wav."))
+    return model.float().eval().code2wav_bigvgan_model
+
+
+class VocoderProcess:
+    """A child process rendering mels to samples with the model's BigVGAN, one request at a time."""
+
+    def __init__(self, model_path: Path, threads: int) -> None:
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(model_path), str(threads)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
+        )
+        self._lock = threading.Lock()  # one request in flight
+
+    @classmethod
+    def start(cls, model_path: Path, threads: int, local: torch.nn.Module) -> VocoderProcess | None:
+        """A started child whose samples are ``local``'s bit for bit on a random mel (call on a thread
+        with the stage's thread count, in inference mode), or None (the child is stopped)."""
+        process = cls(model_path, threads)
+        try:
+            generator = torch.Generator().manual_seed(0)
+            config: Any = local.config
+            mel = torch.randn((1, int(config.mel_dim), CHECK_FRAMES), generator=generator)
+            ready = threading.Event()
+            answer: list[torch.Tensor] = []
+            errors: list[BaseException] = []
+
+            def ask() -> None:
+                try:
+                    answer.append(process.render(mel))
+                except BaseException as exc:  # noqa: BLE001  # reported below
+                    errors.append(exc)
+                ready.set()
+
+            threading.Thread(target=ask, daemon=True).start()
+            if not ready.wait(START_TIMEOUT_S) or errors or not answer:
+                raise RuntimeError("the vocoder process did not answer")
+            if not torch.equal(answer[0], local(mel).reshape(-1).float().cpu()):
+                raise RuntimeError("the vocoder process's samples differ from this process's")
+            return process
+        except Exception:
+            process.close()
+            return None
+
+    def render(self, mel: torch.Tensor) -> torch.Tensor:
+        """The samples (1-D float32) of ``mel`` (1, mels, frames); RuntimeError if the child fails."""
+        assert self._child.stdin is not None and self._child.stdout is not None
+        with self._lock:
+            _write(self._child.stdin, mel.detach().to("cpu", torch.float32).contiguous().numpy())
+            reply = _read(self._child.stdout)
+        if isinstance(reply, str):
+            raise RuntimeError(f"the vocoder process failed: {reply}")
+        return torch.from_numpy(reply)
+
+    def close(self) -> None:
+        try:
+            if self._child.stdin is not None:
+                self._child.stdin.close()
+            self._child.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self._child.kill()
+            self._child.wait()
+
+
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what anything prints goes to stderr, never into a reply
+    model_path, threads = Path(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(threads)
+    vocoder = load_vocoder(model_path)
+    requests = sys.stdin.buffer
+    with torch.inference_mode():
+        while True:
+            try:
+                mel = _read(requests)
+            except EOFError:
+                return
+            try:
+                samples = vocoder(torch.from_numpy(mel)).reshape(-1).float().cpu().numpy()
+                _write(replies, np.ascontiguousarray(samples))
+            except Exception as exc:  # noqa: BLE001  # the parent renders this chunk itself
+                _write(replies, f"{type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()
