@@ -121,6 +121,40 @@ def test_an_utterance_ending_inside_a_chunks_window_ends_with_that_chunk(streami
         assert [c.size // SAMPLES_PER_CODE for c in chunks] == ([24] if total == 24 else [12, 13])
 
 
+@pytest.mark.parametrize("speed", [1.0, 0.5])
+def test_an_empty_utterance_ends_with_one_empty_delta_alone_and_among_others(streaming, speed):
+    """No codes (the talker's first code was its end): nothing to speak, one empty AudioDelta and a
+    finished stream, rendered alone or by the scheduler beside a stream that speaks."""
+    runner = streaming.runners[2]
+    events: dict[str, list] = {"alone": [], "scheduled": [], "other": []}
+    finished = {name: threading.Event() for name in ("scheduled", "other")}
+    jobs = {}
+    for name, count in (("alone", 0), ("scheduled", 0), ("other", 30)):
+        codes = torch.randint(0, 100, (1, count), generator=torch.Generator().manual_seed(1))
+        feed = ChunkFeed()
+        feed.publish({"codes": codes}, final=True)
+        job = _code2wav_job(streaming, codes, 4, feed)
+        job.params["speed"] = speed
+        job.emit = events[name].append
+        jobs[name] = (job, feed)
+    with torch.inference_mode():
+        runner.stream(*jobs["alone"])
+    statuses = {}
+    for name in ("other", "scheduled"):
+
+        def done(status, error, name: str = name) -> None:
+            statuses[name] = (status, error)
+            finished[name].set()
+
+        runner.submit(jobs[name][0], done)
+    assert all(event.wait(DEADLINE_S) for event in finished.values())
+    assert statuses["scheduled"] == (StageStatus.SUCCEEDED, None) == statuses["other"]
+    for name in ("alone", "scheduled"):
+        deltas = [e for e in events[name] if isinstance(e, AudioDelta)]
+        assert [d.samples.size for d in deltas] == [0]
+    assert sum(e.samples.size for e in events["other"] if isinstance(e, AudioDelta)) > 0
+
+
 def test_chunks_arrive_in_order_and_join_into_the_runs_audio(streaming):
     events = events_of(streaming, speak())
     finished = events[-1]

@@ -221,14 +221,14 @@ class StreamRender:
             raise StageCancelled()
 
     def prepare(self) -> ChunkWork | None:
-        """The next chunk's window (call when :meth:`ready`), or None when every code is rendered (the
-        stream is then finished: its last samples are sent)."""
+        """The next chunk's window (call when :meth:`ready`), or None when every code is rendered (an
+        empty utterance: the caller then ends the stream with :meth:`finish`, after any chunk of it still
+        at the vocoder)."""
         stage, job, plan = self.stage, self.job, self.plan
         inputs, final = self.feed.snapshot()
         codes = torch.as_tensor(inputs.get("codes", torch.zeros(0, dtype=torch.long))).reshape(1, -1)
         total = int(codes.shape[1])
         if self.start >= total:  # final: every code is rendered
-            self.finish()
             return None
         low, high = plan.window(self.start, total if final else None)
         end = min(plan.end(self.start, total if final else None), total)
@@ -289,6 +289,7 @@ class StreamRender:
         """Render the next chunk alone (call when :meth:`ready`); True when the stream is finished."""
         work = self.prepare()
         if work is None:
+            self.finish()
             return True
         mel = self.stage.flow.integrate([work.window], self.check)
         self.advance(work)

@@ -78,7 +78,10 @@ class VocoderProcess:
     def start(cls, model_path: Path, threads: int, local: torch.nn.Module) -> VocoderProcess | None:
         """A started child whose samples are ``local``'s bit for bit on a random mel (call on a thread
         with the stage's thread count, in inference mode), or None (the child is stopped)."""
-        process = cls(model_path, threads)
+        try:
+            process = cls(model_path, threads)
+        except OSError:  # no interpreter to start: vocode in this process
+            return None
         try:
             generator = torch.Generator().manual_seed(0)
             config: Any = local.config
