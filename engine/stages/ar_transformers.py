@@ -36,6 +36,7 @@ from engine.events import FinishReason, StageStatus, TokenProgress
 from engine.modality import OutputModality
 from engine.stages.ar_sampling import LEAN_PROCESSORS, sampling_kwargs
 from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, intra_op_threads_for
+from engine.stages.token_choice import choice_holds, choice_key, choose
 
 # The RNG is process-global: two AR stages (two engines in one process) must not interleave seeding.
 GLOBAL_RNG_LOCK = threading.Lock()
@@ -472,12 +473,48 @@ class TransformersARStage(StageRunner):
         if len(plain) > 1:
             scores = torch.cat([cast(torch.Tensor, rows[i].logits) for i in plain])
             picked = dict(zip(plain, torch.argmax(scores, dim=-1).tolist(), strict=True))
+        picked.update(self._choose_together([i for i in range(len(rows)) if i not in picked], rows))
         tokens = []
         for i, row in enumerate(rows):
             token = picked[i] if i in picked else self._pick(row)
             self._take(row, token)
             tokens.append(token)
         return tokens
+
+    _choice_checks: dict[tuple[Any, ...], bool] | None = None  # (choice key, rows) -> choice_holds
+
+    def _choose_together(self, indices: list[int], rows: list[_Row]) -> dict[int, int]:
+        """The next tokens of rows that share their processors, chosen together where this machine's
+        kernels give each row its alone bits (engine/stages/token_choice.py); the rest pick alone."""
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i in indices:
+            key = choice_key(rows[i].processors, rows[i].sample)
+            if key is not None:
+                groups.setdefault(key, []).append(i)
+        picked: dict[int, int] = {}
+        if self._choice_checks is None:
+            self._choice_checks = {}
+        for key, members in groups.items():
+            if len(members) < 2:
+                continue
+            first = rows[members[0]]
+            logits = torch.cat([cast(torch.Tensor, rows[i].logits) for i in members])
+            check = (key, len(members))
+            if check not in self._choice_checks:
+                self._choice_checks[check] = choice_holds(
+                    first.processors, first.sample, len(members), int(logits.shape[-1]), logits
+                )
+            if not self._choice_checks[check]:
+                continue
+            tokens = choose(
+                first.processors,
+                first.sample,
+                logits,
+                [rows[i].sequence[: rows[i].length] for i in members],
+                [rows[i].generator for i in members],
+            )
+            picked.update(zip(members, tokens, strict=True))
+        return picked
 
     def _pick(self, row: _Row) -> int:
         """The row's next token as ``generate`` would pick it (processors, then argmax or multinomial)."""
