@@ -5,6 +5,8 @@ can compare anyone's."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +22,6 @@ GEN = {"model": "tiny-glm-image", "height": 64, "width": 64, "num_inference_step
 
 
 def _cli(*args: str) -> str:
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(list(args)) == 0

@@ -97,6 +97,7 @@ class _Row:
     hold_ends: int
     end_ids: torch.Tensor | None
     sample: bool
+    choice: tuple[Any, ...] | None  # rows of an equal key may choose their tokens together (token_choice)
     generator: torch.Generator | None
     sequence: torch.Tensor  # prompt + room for every new token: the ids the processors see
     state: Any = None
@@ -436,6 +437,7 @@ class TransformersARStage(StageRunner):
             hold_ends=hold[0].min_new_tokens if hold and held else 0,
             end_ids=torch.tensor(held, device=input_ids.device) if hold and held else None,
             sample=sample,
+            choice=choice_key(processors, sample),
             generator=generator,
             sequence=sequence,
             length=prepared.prompt_length,
@@ -488,7 +490,7 @@ class TransformersARStage(StageRunner):
         kernels give each row its alone bits (engine/stages/token_choice.py); the rest pick alone."""
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i in indices:
-            key = choice_key(rows[i].processors, rows[i].sample)
+            key = rows[i].choice
             if key is not None:
                 groups.setdefault(key, []).append(i)
         picked: dict[int, int] = {}
