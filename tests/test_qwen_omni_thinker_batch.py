@@ -73,13 +73,23 @@ def generate_alone(runner: Any, job: Any, prepared: Any) -> tuple[torch.Tensor, 
 
 @pytest.mark.parametrize("kind", ["chat", "speech", "speak_text"])
 @pytest.mark.parametrize("seed", [1, 2, 5, 9])
-def test_lean_thinker_ids_latent_and_rng_state_are_generates(omni, seed, kind):
+def test_lean_thinker_ids_latent_and_rng_state_are_generates(omni, seed, kind, monkeypatch):
     spy = Spy(omni, THINKER)
+    steps: list[int] = []  # rows per lean decode step
+    step = ThinkerDecoder.step
+
+    def counted(self: ThinkerDecoder, states: Any, tokens: torch.Tensor, at: list[int]) -> torch.Tensor:
+        steps.append(len(states))
+        return step(self, states, tokens, at)
+
+    monkeypatch.setattr(ThinkerDecoder, "step", counted)
     try:
         finished, step_rows = run(omni, ask(seed, kind, PROMPTS[seed % len(PROMPTS)]), THINKER)
     finally:
         spy.close()
-    assert step_rows == 1  # decoded in the lean loop (generate records no steps), alone
+    assert step_rows == 1  # in the lean loop (generate records no steps), alone
+    # speak_text's reply is one forward over the prompt and the reply; the others decode token by token.
+    assert steps == ([] if kind == "speak_text" else [1] * len(steps)) and (kind == "speak_text" or steps)
     assert "batched, tiles of" in omni.decode_paths()[THINKER]
     [(job, prepared, ids, outputs)] = spy.rows.values()
     expected, result, after = generate_alone(spy.runner, job, prepared)
@@ -111,7 +121,10 @@ def check_alone_equals_crowded(engine: OmniEngine) -> None:
     finally:
         thinker.close()
         talker.close()
-    assert max(step_rows) == 8 and min(step_rows) >= 2, step_rows  # shared thinker decode steps
+    # The six sampled replies share thinker decode steps; the two speak_text ones are made in one
+    # forward each at admission (docs/batching.md, "Teacher-forced replies").
+    decoding = [rows for request, rows in zip(requests, step_rows, strict=True) if request.speak_text is None]
+    assert len(decoding) == 6 and max(decoding) == 6 and min(decoding) >= 2, step_rows
     assert len({tuple(t[2].tolist()) for t, _ in alone_rows}) == 8  # eight different replies
     for (a_thinker, a_talker), (c_thinker, c_talker) in zip(alone_rows, crowded_rows, strict=True):
         assert a_thinker[2].tolist() == c_thinker[2].tolist()
@@ -152,3 +165,33 @@ def test_audio_in_and_other_dtypes_stay_on_generate(omni):
     assert runner.concurrent and runner.fast_decoder() is not None
     half = ThinkerDecoder(copy.deepcopy(runner.model).to(torch.bfloat16))
     assert not half.usable and half.layers == []
+
+
+def test_a_forced_reply_that_meets_a_stop_id_stops_there_as_generate_does(omni, monkeypatch):
+    """A stop id inside the text to speak ends the reply there, as a decode of it would: the forced
+    reply's one forward computes positions past the stop, and the latent leaves them out."""
+    runner = cast(Any, omni.runners[THINKER])
+    [stop] = runner.tokenizer(".", add_special_tokens=False)["input_ids"]
+    prepare_job = runner.prepare_job
+
+    def with_a_stop_id(job: Any) -> Any:
+        job.params["stop_token_ids"] = [stop]
+        return prepare_job(job)
+
+    monkeypatch.setattr(runner, "prepare_job", with_a_stop_id)
+    spy = Spy(omni, THINKER)
+    try:
+        request = GenerationRequest("", GenerationParams(seed=3), speak_text="stop. not this")
+        finished, _ = run(omni, request, THINKER)
+    finally:
+        spy.close()
+    [(job, prepared, ids, outputs)] = spy.rows.values()
+    expected, result, after = generate_alone(runner, job, prepared)
+    assert (
+        ids.tolist() == expected.tolist() == runner.tokenizer("stop.", add_special_tokens=False)["input_ids"]
+    )
+    assert torch.equal(outputs["rng_state"]["cpu"], after)
+    latent, reference = outputs["latent"], runner.latent(prepared, result).cpu()
+    assert latent.shape == reference.shape == (prepared.prompt_length + ids.numel() - 1, latent.shape[1])
+    assert float((latent - reference).abs().max()) < 1e-5
+    assert finished.outputs[0].text == "stop."

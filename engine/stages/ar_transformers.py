@@ -24,6 +24,7 @@ import threading
 import time
 from abc import abstractmethod
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -301,6 +302,11 @@ class TransformersARStage(StageRunner):
                 done(StageStatus.SUCCEEDED, None)
                 return None
             row.on_done = done
+            forced = self.forced_reply(prepared)
+            prefill_forced = getattr(decoder, "prefill_forced", None)
+            if forced is not None and prefill_forced is not None:
+                self._force(row, prefill_forced, forced)
+                return None
             row.logits, row.state = decoder.prefill(prepared.model_inputs)
             job.scratch[DECODE_STATE] = row.state
             return row
@@ -308,6 +314,41 @@ class TransformersARStage(StageRunner):
             done(StageStatus.CANCELLED, None)
         except Exception as exc:  # this job fails; the rows decoding go on
             done(StageStatus.FAILED, exc)
+        return None
+
+    def _force(
+        self,
+        row: _Row,
+        prefill_forced: Callable[[dict[str, Any], torch.Tensor], tuple[torch.Tensor, Any]],
+        forced: torch.Tensor,
+    ) -> None:
+        """A teacher-forced reply, made at admission instead of in the loop (docs/batching.md,
+        "Teacher-forced replies"): one forward alone over the prompt and the reply gives the logits at
+        every reply position; each token is then chosen from its position's logits by the row's own
+        processors and generator, one after another as the loop's steps choose (the forcing processor
+        leaves only the reply's id, and a sampling row draws from its generator once per token, as a
+        decode of the reply draws), so the ids, the deltas and the RNG state handed on are the loop's."""
+        job = row.job
+        logits, row.state = prefill_forced(row.prepared.model_inputs, forced)
+        job.scratch[DECODE_STATE] = row.state
+        job.scratch["step_rows"] = 1  # computed alone
+        for position in range(int(forced.numel())):
+            row.logits = logits[position : position + 1]
+            self._hold_ends(row)
+            token = self._pick(row)
+            if token != int(forced[position]):
+                raise RuntimeError(
+                    f"the forced reply's token {position} is {int(forced[position])}, but the row's "
+                    f"processors chose {token}"
+                )
+            self._take(row, token)
+            if row.done:
+                break
+        self._end_row(row, StageStatus.CANCELLED if job.cancelled else StageStatus.SUCCEEDED)
+
+    def forced_reply(self, prepared: ARInputs) -> torch.Tensor | None:
+        """The ids a teacher-forced reply must say (the last one included), or None: the lean loop then
+        makes it in one forward where the decoder can (``prefill_forced``). Default: none."""
         return None
 
     def _stepping(self, rows: list[_Row]) -> tuple[list[_Row], list[_Row]]:
@@ -468,8 +509,7 @@ class TransformersARStage(StageRunner):
         """Every row's next token. Greedy rows without processors take one argmax for all (the first
         maximum of each row either way, so the same ids as alone)."""
         for row in rows:
-            if row.generated < row.hold_ends and row.logits is not None:
-                row.logits[:, row.end_ids] = -float("inf")
+            self._hold_ends(row)
         plain = [i for i, row in enumerate(rows) if not row.sample and not row.processors]
         picked: dict[int, int] = {}
         if len(plain) > 1:
@@ -482,6 +522,12 @@ class TransformersARStage(StageRunner):
             self._take(row, token)
             tokens.append(token)
         return tokens
+
+    @staticmethod
+    def _hold_ends(row: _Row) -> None:
+        """Until the row has ``min_new_tokens`` its end ids score -inf (``_Row.hold_ends``)."""
+        if row.generated < row.hold_ends and row.logits is not None:
+            row.logits[:, row.end_ids] = -float("inf")
 
     _choice_checks: dict[tuple[Any, ...], bool] | None = None  # (choice key, rows) -> choice_holds
 

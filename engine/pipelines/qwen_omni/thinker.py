@@ -152,6 +152,14 @@ class ThinkerStage(OmniARStage):
             return None
         return {"logits_processor": kwargs["logits_processor"]} if "logits_processor" in kwargs else {}
 
+    def forced_reply(self, prepared: ARInputs) -> torch.Tensor | None:
+        """speak_text's ids (its :class:`ForcedReply`): the lean loop makes such a reply in one forward
+        (docs/batching.md, "Teacher-forced replies")."""
+        for processor in prepared.generate_kwargs.get("logits_processor") or ():
+            if isinstance(processor, ForcedReply):
+                return processor.ids
+        return None
+
     def decode(self, ids: torch.Tensor) -> str:
         return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))
 
@@ -277,7 +285,8 @@ class ThinkerStage(OmniARStage):
             raise RequestError(
                 "voice", f"the model has no voice {voice!r}; allowed: {', '.join(self.voice_bos)}"
             )
-        rows = self.latent(prepared, result)
+        # A forced reply stopped early (a stop id inside the text) computed positions past its stop.
+        rows = self.latent(prepared, result)[: prepared.prompt_length + max(0, generated.numel() - 1)]
         embed = self.model.get_input_embeddings()
         bos = self.voice_bos[voice]
         ids = torch.tensor([bos, *self.text_ids], device=self.device)

@@ -39,7 +39,7 @@ ENCODER_INPUTS = ("input_features", "pixel_values", "pixel_values_videos", "inpu
 class ThinkerRow:
     """One reply's decode state: its slab slot and, when speaking, its latent rows so far (each (n, H))."""
 
-    cache: SlabRow
+    cache: SlabRow | None  # None: a teacher-forced reply, computed in one forward (nothing to decode)
     latent: list[torch.Tensor] | None = None
 
     def latent_rows(self) -> torch.Tensor:
@@ -70,19 +70,35 @@ class ThinkerDecoder(OmniSlabDecoder):
         positions ``generate`` makes (which set the model's ``rope_deltas``), no attention mask, hidden
         states when ``model_inputs["output_hidden_states"]``. ``model_inputs["max_new_tokens"]``: the
         row's budget (its cache capacity)."""
+        deltas, out = self._forward(model_inputs, model_inputs["input_ids"])
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        delta = 0 if deltas is None else int(deltas.reshape(-1)[0])
+        row = self.add_row(out.past_key_values, int(model_inputs["max_new_tokens"]), logits, delta)
+        return logits, self._row(row, model_inputs, out)
+
+    def prefill_forced(
+        self, model_inputs: dict[str, Any], forced: torch.Tensor
+    ) -> tuple[torch.Tensor, ThinkerRow]:
+        """A teacher-forced reply (``forced``: its ids, the last one included) in one forward, alone: the
+        prompt's ids then the reply's but the last, as the positions a decode of that reply would compute
+        (docs/batching.md, "Teacher-forced replies"). Returns the float32 logits at each reply position
+        (``forced.numel()``, V), what each decode step would have chosen from, and the row (its latent
+        when speaking; no cache: nothing decodes after it)."""
+        prompt = model_inputs["input_ids"]
+        reply = forced.reshape(1, -1)[:, :-1].to(prompt.device)
+        _, out = self._forward(model_inputs, torch.cat([prompt, reply], dim=1))
+        logits = out.logits[0, prompt.shape[1] - 1 :].to(copy=True, dtype=torch.float32)
+        return logits, self._row(None, model_inputs, out)
+
+    def _forward(self, model_inputs: dict[str, Any], ids: torch.Tensor) -> tuple[Any, Any]:
+        """The model's own forward over ``ids`` from an empty cache, as ``generate``'s first forward: the
+        model's ``rope_deltas`` for them and the output."""
         from transformers import DynamicCache
 
         model = self.model
-        ids = model_inputs["input_ids"]
-        keep = bool(model_inputs.get("output_hidden_states"))
-        mask = model_inputs.get("attention_mask")
         positions = model._prepare_position_ids_for_generation(
             ids,
-            {
-                "input_ids": ids,
-                "attention_mask": torch.ones_like(ids) if mask is None else mask,
-                "use_audio_in_video": False,
-            },
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_audio_in_video": False},
         )
         deltas = model.rope_deltas
         out = model(
@@ -91,26 +107,31 @@ class ThinkerDecoder(OmniSlabDecoder):
             past_key_values=DynamicCache(config=model.config),
             use_cache=True,
             use_audio_in_video=False,
-            output_hidden_states=keep,
+            output_hidden_states=bool(model_inputs.get("output_hidden_states")),
             return_dict=True,
         )
-        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-        delta = 0 if deltas is None else int(deltas.reshape(-1)[0])
-        row = self.add_row(out.past_key_values, int(model_inputs["max_new_tokens"]), logits, delta)
-        state = ThinkerRow(row)
-        if keep:
+        return deltas, out
+
+    @staticmethod
+    def _row(cache: SlabRow | None, model_inputs: dict[str, Any], out: Any) -> ThinkerRow:
+        state = ThinkerRow(cache)
+        if model_inputs.get("output_hidden_states"):
             hidden = out.hidden_states  # (embeddings, ..., final norm's output), each (1, n, H)
             state.latent = [hidden[-1][0] + hidden[0][0]]
-        return logits, state
+        return state
 
     def release(self, state: Any) -> None:
-        self.release_row(cast(ThinkerRow, state).cache)
+        cache = cast(ThinkerRow, state).cache
+        if cache is not None:
+            self.release_row(cache)
 
     def step(self, states: list[Any], tokens: torch.Tensor, steps: list[int]) -> torch.Tensor:
         rows = cast("list[ThinkerRow]", states)
         embedded = F.embedding(tokens, self.text.embed_tokens.weight)  # (B, H): embed_tokens' values
         keep = any(row.latent is not None for row in rows)
-        logits, hidden = self.run_rows([row.cache for row in rows], embedded, steps, keep_hidden=keep)
+        logits, hidden = self.run_rows(
+            [cast(SlabRow, row.cache) for row in rows], embedded, steps, keep_hidden=keep
+        )
         if hidden is not None:
             for i, row in enumerate(rows):
                 if row.latent is not None:
