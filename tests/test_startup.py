@@ -1,7 +1,8 @@
 """Start-up: the port answers while the engine loads, then serves; a failed load still exits 1 with the message.
 
-Live `omni-studio serve` and `omni-studio ui` processes, with loading made observably slow through the
-test-only ``OMNI_STUDIO_TEST_LOAD_DELAY_S`` (studio/startup/launch.py).
+Live `omni-studio serve` and `omni-studio ui` processes, their engine load (and `ui`'s page) held by the
+test-only ``OMNI_STUDIO_TEST_LOAD_HOLD`` (``OMNI_STUDIO_TEST_UI_HOLD``; studio/startup/launch.py) until the
+test has checked the loading state and lets go: no test rests on how fast the machine loads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from studio.startup.launch import LOAD_DELAY_ENV, UI_DELAY_ENV
+from studio.startup.launch import LOAD_HOLD_ENV, UI_HOLD_ENV
 from tests.servers import free_port
 
 CHAT = {
@@ -35,23 +36,34 @@ CHAT = {
 
 
 class Starting:
-    """An ``omni-studio`` process started with a slow engine load (stopped by PID)."""
+    """An ``omni-studio`` process whose engine load (``hold_load``) and page build (``hold_ui``) wait for
+    :meth:`release_load` and :meth:`release_ui` (stopped by PID)."""
 
-    def __init__(self, args: list[str], data_dir: Path, delay_s: float, ui_delay_s: float = 0) -> None:
+    def __init__(self, args: list[str], data_dir: Path, hold_load: bool, hold_ui: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = data_dir / f"server-{self.port}.log"
         command = [sys.executable, "-m", "studio.cli", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["--data-dir", str(data_dir)]
+        self.holds = {env: data_dir / f"{env.lower()}-{self.port}" for env in (LOAD_HOLD_ENV, UI_HOLD_ENV)}
+        held = {
+            env: str(path) for env, path in self.holds.items() if (hold_load, hold_ui)[env == UI_HOLD_ENV]
+        }
         self.started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, LOAD_DELAY_ENV: str(delay_s), UI_DELAY_ENV: str(ui_delay_s)},
+                env={**os.environ, **held},
             )
+
+    def release_load(self) -> None:
+        self.holds[LOAD_HOLD_ENV].touch()
+
+    def release_ui(self) -> None:
+        self.holds[UI_HOLD_ENV].touch()
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -87,8 +99,8 @@ class Starting:
 
 
 @contextlib.contextmanager
-def starting(args: list[str], data_dir: Path, delay_s: float = 15, ui_delay_s: float = 0):
-    server = Starting(args, data_dir, delay_s, ui_delay_s)
+def starting(args: list[str], data_dir: Path, hold_load: bool = True, hold_ui: bool = False):
+    server = Starting(args, data_dir, hold_load, hold_ui)
     try:
         yield server
     finally:
@@ -138,6 +150,7 @@ def test_serve_answers_while_the_engine_loads_then_serves(tmp_path):
         # Then the real API takes the requests while the engine loads: its own 503 carries Retry-After too.
         models = wait_until(server, lambda: _api_not_ready(httpx.get(server.url + "/v1/models", timeout=5)))
         assert int(models.headers["retry-after"]) > 0 and models.json()["error"]["code"] == "engine_not_ready"
+        server.release_load()
         server.wait_ready()
         refused_while_loading_are_recorded(tmp_path, 1)
         assert httpx.get(server.url + "/health", timeout=5).json()["status"] == "ok"
@@ -202,12 +215,13 @@ def start_up_settled_the_collector(server: Any) -> bool:
 def test_ui_shows_the_loading_state_then_works(tmp_path):
     from gradio_client import Client
 
-    with starting(["ui", "--ar-backend", "transformers"], tmp_path, ui_delay_s=20) as server:
+    with starting(["ui", "--ar-backend", "transformers"], tmp_path, hold_ui=True) as server:
         page, _ = server.first_answer("/")
         assert page.status_code == 200
         assert "loading model tiny-glm-image" in page.text
         assert "/health" in page.text  # it polls and reloads itself when the studio is ready
         assert_not_ready(server)
+        server.release_load()
         # The engine is loaded, the page still builds: the API already generates; /health says so.
         wait_until(server, lambda: httpx.get(server.url + "/health", timeout=5).json().get("api") == "ready")
         response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=120)
@@ -215,6 +229,7 @@ def test_ui_shows_the_loading_state_then_works(tmp_path):
         health = httpx.get(server.url + "/health", timeout=5)
         assert health.status_code == 503 and health.json() == {"status": "starting", "api": "ready"}
         assert "loading model" in httpx.get(server.url + "/", timeout=5).text
+        server.release_ui()
         server.wait_ready()
         refused_while_loading_are_recorded(tmp_path, 1)
         page = httpx.get(server.url + "/", timeout=10)
@@ -275,7 +290,7 @@ def test_ui_finishes_a_request_in_flight_across_the_hand_over_to_gradio(tmp_path
     The request's body is sent in two parts, the second only once the studio has the port: it is in
     flight across the hand-over whatever the machine's speed.
     """
-    with starting(["ui", "--ar-backend", "transformers"], tmp_path, delay_s=0, ui_delay_s=20) as server:
+    with starting(["ui", "--ar-backend", "transformers"], tmp_path, hold_load=False, hold_ui=True) as server:
         wait_until(server, lambda: httpx.get(server.url + "/health", timeout=5).json().get("api") == "ready")
         body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "across the hand-over"}]})
         first_part_sent, handed_over = threading.Event(), threading.Event()
@@ -308,7 +323,7 @@ def test_ui_finishes_a_request_in_flight_across_the_hand_over_to_gradio(tmp_path
             # Answered after the request was accepted, by the loading server: the request is on it.
             health = httpx.get(server.url + "/health", timeout=5)
             assert health.json() == {"status": "starting", "api": "ready"}, "the hand-over came too early"
-
+            server.release_ui()
             server.wait_ready()  # Gradio's launch() has the port now
             page = wait_until(server, lambda: _studio_page(server))
             assert "loading model" not in page

@@ -47,10 +47,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omni_studio")
 
-# Test-only: seconds to sleep before the engine loads, so tests can watch the loading state.
-LOAD_DELAY_ENV = "OMNI_STUDIO_TEST_LOAD_DELAY_S"
-# Test-only: seconds `ui` waits after the engine is loaded and the API serves, before building the page.
-UI_DELAY_ENV = "OMNI_STUDIO_TEST_UI_DELAY_S"
+# Test-only: a file's path. The engine load waits until that file exists, so a test watches the loading
+# state for as long as its checks take, whatever the machine's speed, and then lets it go on.
+LOAD_HOLD_ENV = "OMNI_STUDIO_TEST_LOAD_HOLD"
+# Test-only: the same for `ui`'s page, after the engine is loaded and the API serves, before it is built.
+UI_HOLD_ENV = "OMNI_STUDIO_TEST_UI_HOLD"
+HOLD_LIMIT_S = 600.0  # a hold nobody lets go ends by itself
+
+
+def hold_for_test(env: str) -> None:
+    """Wait while the test that started this process holds it (``LOAD_HOLD_ENV``, ``UI_HOLD_ENV``)."""
+    path = os.environ.get(env)
+    if not path:
+        return
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def tune_interpreter() -> None:
@@ -102,9 +114,7 @@ def prestart_stage_processes(settings: StudioSettings) -> None:
 
 def start_engine(settings: StudioSettings, max_pending: int = 64) -> OmniEngine:
     """Validate the deploy config against the model, build the model if built in, load every stage."""
-    delay = float(os.environ.get(LOAD_DELAY_ENV) or 0)
-    if delay > 0:  # test-only (see LOAD_DELAY_ENV)
-        time.sleep(delay)
+    hold_for_test(LOAD_HOLD_ENV)
     from engine.config import DeployConfigError
     from engine.distributed import spawn
     from engine.engine import EngineBuildError, build_engine
@@ -396,9 +406,7 @@ def _serve_ui(
     # "starting" until the whole studio is up (README, first section).
     front.api = create_app(serving)
     front.record_refused(recorder, serving.served_model_name)
-    delay = float(os.environ.get(UI_DELAY_ENV) or 0)
-    if delay > 0:  # test-only (see UI_DELAY_ENV)
-        time.sleep(delay)
+    hold_for_test(UI_HOLD_ENV)
     import gradio as gr
 
     from studio.controller import Studio
