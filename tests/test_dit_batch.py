@@ -5,6 +5,7 @@ where the running machine's check says so, and the check catches a batch that do
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -269,13 +270,49 @@ def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outl
     frames: list[int] = []
     render = remote.render
     remote.render = lambda mel: frames.append(int(mel.shape[-1])) or render(mel)  # type: ignore[method-assign]
+    here = scheduler.vocoded_here
     jobs = _submit_streams(engine, 4)
-    assert len(frames) >= 8  # every chunk of the four streams went through the process
+    # Every chunk of the four streams went to the process, but those the scheduler's thread took while
+    # the process was busy and it had nothing to integrate.
+    assert len(frames) >= 1 and len(frames) + scheduler.vocoded_here - here >= 8
     for job in jobs:
         assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
     remote._child.kill()
     remote._child.wait()
     jobs = _submit_streams(engine, 4)
     assert scheduler._remote is None  # it failed: the chunks are vocoded in this process from then on
+    for job in jobs:
+        assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
+
+
+def test_while_the_vocoder_process_is_busy_the_scheduler_vocodes_and_every_stream_keeps_its_order(engine):
+    """With nothing to integrate, the scheduler's thread vocodes chunks waiting for a busy vocoder process
+    (docs/speech.md, "The vocoder on the second core"), one stream's chunks still in order: a slow
+    process leaves it most of them, and every stream equals its alone samples."""
+    _submit_streams(engine, 1)  # the scheduler exists
+    scheduler = _scheduler(engine)
+    if scheduler._starter is not None:
+        scheduler._starter.join()
+    if scheduler._remote is None:
+        before = torch.get_num_threads()
+        try:
+            scheduler._start_remote()
+        finally:
+            torch.set_num_threads(before)
+    remote = scheduler._remote
+    assert remote is not None and scheduler._handing_over
+    render = remote.render
+
+    def slow(mel: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)
+        return render(mel)
+
+    remote.render = slow  # type: ignore[method-assign]
+    here = scheduler.vocoded_here
+    try:
+        jobs = _submit_streams(engine, 6)  # two chunks each
+    finally:
+        remote.render = render  # type: ignore[method-assign]
+    assert scheduler.vocoded_here - here >= 4
     for job in jobs:
         assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index

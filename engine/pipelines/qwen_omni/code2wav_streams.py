@@ -205,6 +205,10 @@ class StreamRender:
         self.seconds_out = 0.0  # audio seconds sent so far
         self.seconds_queued = 0.0  # audio seconds past the DiT, not sent yet (at the vocoder)
         self.ended = False  # finished, failed or cancelled: nothing more is sent (ChunkScheduler)
+        # Its items handed to the vocoder thread and those sent, in turns: they are sent in the order they
+        # were handed on, whichever thread vocodes them (ChunkScheduler).
+        self.handed = 0
+        self.sent_turns = 0
 
     def ready(self, inputs: Mapping[str, Any], final: bool) -> bool:
         """Whether the next chunk can be rendered from ``inputs`` (the talker's codes so far)."""
@@ -313,6 +317,9 @@ Stream = tuple[StreamRender, JobDone]
 # A chunk past the DiT, for the vocoder: its stream, the mel, or (None, None) for the stream's end once
 # its earlier chunks are sent (a feed that ended on a chunk boundary).
 VocoderItem = tuple[StreamRender, JobDone, ChunkWork | None, torch.Tensor | None]
+# In the vocoder queue: (deadline, the order items were put, the item, its turn in its stream), or an
+# item None (the end of the vocoder thread).
+VocoderEntry = tuple[float, int, VocoderItem | None, int]
 
 
 class ChunkScheduler:
@@ -336,10 +343,11 @@ class ChunkScheduler:
         self._inbox: queue.SimpleQueue[tuple[StageJob, JobDone] | None] = queue.SimpleQueue()
         self._wake = threading.Event()  # set by a feed's publication or close, and by a new arrival
         # (deadline, order, item): a stream's chunks have rising deadlines, so they leave in order
-        self._vocoder_queue: queue.PriorityQueue[tuple[float, int, VocoderItem | None]] = (
-            queue.PriorityQueue()
-        )
+        self._vocoder_queue: queue.PriorityQueue[VocoderEntry] = queue.PriorityQueue()
         self._queued = 0  # the vocoder queue's tie-break: the order items were put
+        self._turns = threading.Condition()  # a stream's items are sent in turn (StreamRender.handed)
+        self._vocoder_busy = False  # the vocoder thread is sending an item
+        self.vocoded_here = 0  # chunks the scheduler's thread vocoded while the vocoder process was busy
         self._ends = threading.Lock()  # a stream ends once, and nothing is sent for it after
         self._remote: VocoderProcess | None = None  # the vocoder process, once started and checked
         self._handing_over = False  # set once it is: every chunk goes through the vocoder thread from then
@@ -367,6 +375,7 @@ class ChunkScheduler:
         return len(os.sched_getaffinity(0)) >= 2 if hasattr(os, "sched_getaffinity") else False
 
     def _start_remote(self) -> None:
+        self._remote_wanted = False  # once (a caller may start it before two streams are in flight)
         self._threads()
         with torch.inference_mode():
             remote = VocoderProcess.start(self.stage.model_path, 1, self.stage.model.code2wav_bigvgan_model)
@@ -388,6 +397,8 @@ class ChunkScheduler:
         self._wake.set()
         self._thread.join(timeout=30)
         self._vocoder.join(timeout=30)
+        if self._starter is not None:  # a process still starting: it sees the close and stops it
+            self._starter.join(timeout=30)
         remote, self._remote = self._remote, None
         if remote is not None:
             remote.close()
@@ -407,9 +418,19 @@ class ChunkScheduler:
                 while True:
                     while True:
                         try:
-                            item = self._inbox.get_nowait() if streams else self._inbox.get()
+                            item = self._inbox.get_nowait()
                         except queue.Empty:
-                            break
+                            if streams:
+                                break
+                            if self._vocode_here():  # nothing to integrate: help a busy vocoder
+                                continue
+                            try:  # idle: wait for a stream (now and then helping the vocoder)
+                                backlog = not self._vocoder_queue.empty()
+                                item = (
+                                    self._inbox.get(timeout=CANCEL_POLL_S) if backlog else self._inbox.get()
+                                )
+                            except queue.Empty:
+                                continue
                         if item is None:
                             for render, done in streams.values():
                                 self._end(render, done, StageCancelled())
@@ -433,7 +454,8 @@ class ChunkScheduler:
                         if render.ready(*render.feed.snapshot())
                     )
                     if not due:
-                        self._wake.wait(CANCEL_POLL_S)
+                        if not self._vocode_here():
+                            self._wake.wait(CANCEL_POLL_S)
                         continue
                     self._render([key for _, _, key in due], streams)
         finally:
@@ -496,8 +518,31 @@ class ChunkScheduler:
         return False
 
     def _to_vocoder(self, deadline: float, item: VocoderItem | None) -> None:
+        turn = -1
+        if item is not None:
+            turn, item[0].handed = item[0].handed, item[0].handed + 1
         self._queued += 1
-        self._vocoder_queue.put((deadline, self._queued, item))
+        self._vocoder_queue.put((deadline, self._queued, item, turn))
+
+    def _vocode_here(self) -> bool:
+        """With no chunk to integrate while the vocoder process is busy, vocode the most urgent chunk
+        waiting for it on this thread (docs/speech.md, "The vocoder on the second core"): this process's
+        BigVGAN gives the process's bits (checked when the process started). It is the most urgent of its
+        stream still queued (a stream's chunks have rising deadlines), and it is sent in its turn, after
+        any earlier chunk of its stream at the process. True when it vocoded one."""
+        if not self._handing_over or not self._vocoder_busy:
+            return False
+        try:
+            entry = self._vocoder_queue.get_nowait()
+        except queue.Empty:
+            return False
+        _, _, item, turn = entry
+        if item is None or item[2] is None:  # the thread's end, or a stream's: the vocoder thread's
+            self._vocoder_queue.put(entry)  # its place kept: the same deadline and order
+            return False
+        self.vocoded_here += 1
+        self._send(item, None, turn)
+        return True
 
     def _vocode(self) -> None:
         """The vocoder thread: each chunk's samples from the vocoder process, sent, the most urgent
@@ -505,14 +550,28 @@ class ChunkScheduler:
         self._threads()
         with torch.inference_mode():
             while True:
-                _, _, item = self._vocoder_queue.get()
+                _, _, item, turn = self._vocoder_queue.get()
                 if item is None:
                     return
-                self._send(item, self._remote)
+                self._vocoder_busy = True
+                try:
+                    self._send(item, self._remote, turn)
+                finally:
+                    self._vocoder_busy = False
 
-    def _send(self, item: VocoderItem, remote: VocoderProcess | None) -> None:
+    def _send(self, item: VocoderItem, remote: VocoderProcess | None, turn: int | None = None) -> None:
         """Vocode a chunk (by ``remote``, else in this process) and send it, or end a stream whose chunks
-        are all sent; a stream that has ended meanwhile sends nothing."""
+        are all sent; a stream that has ended meanwhile sends nothing. ``turn``: the item's place among its
+        stream's items handed to the vocoder thread (it is sent after those before it)."""
+        try:
+            self._vocode_and_send(item, remote, turn)
+        finally:
+            if turn is not None:
+                with self._turns:
+                    item[0].sent_turns += 1
+                    self._turns.notify_all()
+
+    def _vocode_and_send(self, item: VocoderItem, remote: VocoderProcess | None, turn: int | None) -> None:
         render, done, work, mel = item
         if render.ended:
             return
@@ -521,6 +580,10 @@ class ChunkScheduler:
             samples = None
             if work is not None and mel is not None:
                 samples = self._vocoded(render, work, mel, remote)
+            if turn is not None:
+                with self._turns:  # the stream's earlier items first (vocoded by the other thread)
+                    while render.sent_turns < turn and not render.ended:
+                        self._turns.wait(CANCEL_POLL_S)
             with self._ends:
                 if render.ended:
                     return
