@@ -91,7 +91,7 @@ def start_server(
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(server.url + ready_path, timeout=2).status_code == 200:
                 return server
-        time.sleep(0.3)
+        time.sleep(0.05)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server did not become ready in {timeout}s:\n{server.log()}")
 
