@@ -17,6 +17,7 @@ from engine.engine import OmniEngine, build_engine
 from engine.modality import OutputAccumulator, OutputModality
 from engine.pipelines.qwen_omni import code2wav_streams
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, batch_holds
+from engine.pipelines.qwen_omni.vocoder_process import VocoderProcess
 from engine.stages.base import StageJob
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
 from tests.conftest import tiny_deploy
@@ -251,15 +252,13 @@ def test_where_the_check_fails_the_chunks_render_alone_with_the_same_samples(eng
     scheduler.batching.clear()  # the next test checks again
 
 
-def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outlive_its_failure(engine):
-    """With a vocoder process (docs/speech.md, "The vocoder on the second core") the chunks' samples are
-    the alone render's, made in this process; when the process dies, the next chunk is vocoded here and
-    every stream still equals its alone samples."""
+def _with_vocoder_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkScheduler, VocoderProcess]:
+    """The stage's scheduler and its vocoder process, started here if it is not running."""
     _submit_streams(engine, 1)  # the scheduler exists
     scheduler = _scheduler(engine)
     if scheduler._starter is not None:  # started by an earlier test's concurrent streams
         scheduler._starter.join()
-    if scheduler._remote is None:  # a one-core machine never starts it: start it here
+    if scheduler._remote is None:  # a one-core machine never starts it, a dead one is gone: start it here
         before = torch.get_num_threads()
         try:
             scheduler._start_remote()
@@ -267,6 +266,14 @@ def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outl
             torch.set_num_threads(before)
     remote = scheduler._remote
     assert remote is not None and scheduler._handing_over
+    return scheduler, remote
+
+
+def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outlive_its_failure(engine):
+    """With a vocoder process (docs/speech.md, "The vocoder on the second core") the chunks' samples are
+    the alone render's, made in this process; when the process dies, the next chunk is vocoded here and
+    every stream still equals its alone samples."""
+    scheduler, remote = _with_vocoder_process(engine)
     frames: list[int] = []
     render = remote.render
     remote.render = lambda mel: frames.append(int(mel.shape[-1])) or render(mel)  # type: ignore[method-assign]
@@ -289,18 +296,7 @@ def test_while_the_vocoder_process_is_busy_the_scheduler_vocodes_and_every_strea
     """With nothing to integrate, the scheduler's thread vocodes chunks waiting for a busy vocoder process
     (docs/speech.md, "The vocoder on the second core"), one stream's chunks still in order: a slow
     process leaves it most of them, and every stream equals its alone samples."""
-    _submit_streams(engine, 1)  # the scheduler exists
-    scheduler = _scheduler(engine)
-    if scheduler._starter is not None:
-        scheduler._starter.join()
-    if scheduler._remote is None:
-        before = torch.get_num_threads()
-        try:
-            scheduler._start_remote()
-        finally:
-            torch.set_num_threads(before)
-    remote = scheduler._remote
-    assert remote is not None and scheduler._handing_over
+    scheduler, remote = _with_vocoder_process(engine)
     render = remote.render
 
     def slow(mel: torch.Tensor) -> torch.Tensor:

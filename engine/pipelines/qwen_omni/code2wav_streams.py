@@ -331,7 +331,8 @@ class ChunkScheduler:
     for a small model, a vocoder process (:class:`~engine.pipelines.qwen_omni.vocoder_process.
     VocoderProcess`, checked to give this process's bits) renders the chunks' samples instead, fed by a
     second thread the most urgent first (a stream's chunks in order), while this one integrates the next
-    batch (docs/speech.md, "The vocoder on the second core"). A stream joins as soon as the stage worker
+    batch, and vocodes waiting chunks itself when it has nothing to integrate while the process is busy
+    (each stream's chunks still sent in turn; docs/speech.md, "The vocoder on the second core"). A stream joins as soon as the stage worker
     hands it over and leaves when finished, failed or cancelled; a failure is its own (the others go
     on)."""
 
