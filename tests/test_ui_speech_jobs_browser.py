@@ -113,14 +113,16 @@ def test_a_speech_job_plays_as_a_table_of_players(page, studio):
 def test_the_queue_lists_a_spoken_request_with_its_voice(page, studio):
     open_tab(page, "Queue")  # its table refreshes itself while it is shown
     wait_text(page, "#omni-queue-who", "queued or running")
-    # Long words to say (one thinker step per byte), three at once: the requests stay in the engine for
-    # several of the table's refreshes, each stage taking them one at a time.
+    # Three clients speak back to back until the table has shown a spoken request: the engine is busy
+    # with them at the table's refreshes however fast one request goes through it.
     words = " ".join(["hello there, how are you today"] * 20)
     answers: list[httpx.Response] = []
+    shown = threading.Event()
 
     def speak(seed: int) -> None:
         body = {"model": "tiny-qwen-omni", "input": words, "voice": "Ethan", "seed": seed}
-        answers.append(httpx.post(studio.url + "/v1/audio/speech", json=body, timeout=WAIT_S))
+        while not shown.is_set():
+            answers.append(httpx.post(studio.url + "/v1/audio/speech", json=body, timeout=WAIT_S))
 
     # Fixed seeds: the tiny talker may end an utterance at once for some (nothing to speak: no audio).
     speakers = [threading.Thread(target=speak, args=(seed,), daemon=True) for seed in (1, 3, 4)]
@@ -133,9 +135,10 @@ def test_the_queue_lists_a_spoken_request_with_its_voice(page, studio):
         )
         assert "request" in row and "api" in row and "hello there" in row
     finally:
+        shown.set()
         for speaker in speakers:
             speaker.join(WAIT_S)
-    assert [a.status_code for a in answers] == [200] * 3, [a.text[:200] for a in answers]
+    assert len(answers) >= 3 and {a.status_code for a in answers} == {200}, [a.text[:200] for a in answers]
     assert all(a.content[:4] == b"RIFF" for a in answers)
 
 
