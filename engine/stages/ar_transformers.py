@@ -37,7 +37,7 @@ from engine.events import FinishReason, StageStatus, TokenProgress
 from engine.modality import OutputModality
 from engine.stages.ar_sampling import LEAN_PROCESSORS, sampling_kwargs
 from engine.stages.base import JobDone, StageCancelled, StageJob, StageRunner, intra_op_threads_for
-from engine.stages.token_choice import choice_holds, choice_key, choose
+from engine.stages.token_choice import choice_holds, choice_key, choose, process
 
 # The RNG is process-global: two AR stages (two engines in one process) must not interleave seeding.
 GLOBAL_RNG_LOCK = threading.Lock()
@@ -569,12 +569,9 @@ class TransformersARStage(StageRunner):
         scores = row.logits
         assert scores is not None
         if row.processors:
-            # The LEAN_PROCESSORS in order, called directly: LogitsProcessorList.__call__ would inspect
-            # each one's signature on every token. torch annotates every tensor as Tensor; Long/FloatTensor
-            # are transformers' names.
-            seen = cast(torch.LongTensor, row.sequence[None, : row.length])
-            for processor in row.processors:
-                scores = processor(seen, cast(torch.FloatTensor, scores))
+            # Called directly (token_choice.process): LogitsProcessorList.__call__ would inspect each
+            # one's signature on every token.
+            scores = process(row.processors, row.sequence[None, : row.length], scores)
         if row.sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
             return int(torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0])
