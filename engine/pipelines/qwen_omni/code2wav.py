@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from engine.events import AudioDelta, DiffusionStep
+from engine.pipelines.qwen_omni.bigvgan_cpu import Vocoder, chunk_vocoder
 from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, omni_config, part_state_dict
 from engine.pipelines.qwen_omni.code2wav_streams import ChunkScheduler, StreamRender, speed_of
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow
@@ -41,6 +42,7 @@ class Code2WavStage(StageRunner):
     consumes_chunks = True  # chunk_size may be set on this stage (engine/streaming.py)
     model: Any = None
     flow: BatchedFlow
+    chunk_vocoder: Vocoder
 
     def load(self) -> None:
         from transformers import Qwen2_5OmniToken2WavModel
@@ -50,6 +52,7 @@ class Code2WavStage(StageRunner):
         model.load_state_dict(part_state_dict(self.model_path, "token2wav."))
         self.model = model.float().to(self.device).eval()  # token2wav runs in float32 (as in the library)
         self.flow = BatchedFlow(self.model.code2wav_dit_model)
+        self.chunk_vocoder = chunk_vocoder(self.model.code2wav_bigvgan_model)  # streamed chunks' BigVGAN
         self.speakers = load_speakers(self.model_path)
         self.loaded = True
 

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +26,7 @@ import torch
 
 from engine.config import ResolvedStage
 from engine.events import DiffusionStep, StageStatus
+from engine.pipelines.qwen_omni.bigvgan_cpu import Vocoder
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow, batch_holds
 from engine.pipelines.qwen_omni.vocoder_process import VocoderProcess
 from engine.stages.base import JobDone, StageCancelled, StageJob
@@ -39,6 +40,7 @@ class Code2WavStage(Protocol):
     model: Any
     model_path: Path
     flow: BatchedFlow
+    chunk_vocoder: Vocoder
     stage: ResolvedStage
     device: torch.device
     sample_rate: int
@@ -72,6 +74,9 @@ VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a 
 # Every chunk after the first is this many times chunk_size: the first is small so the first sound comes
 # soon; later ones render less context per second of audio (docs/speech.md, "Chunk sizes").
 LATER_CHUNKS = 2
+# Chunks of one length a vocoder process renders in one call at most: per window 14 ms in a batch of four
+# 64-frame windows against 21 alone, 13 in one of eight (docs/speech.md, "BigVGAN on the CPU").
+VOCODER_BATCH = 4
 
 
 def speed_of(job: StageJob) -> float:
@@ -151,8 +156,14 @@ class ChunkPlan:
         high = -(-(self.end(start, total) + self.ahead) // self.block) * self.block
         return low, high if total is None else min(high, -(-total // self.block) * self.block)
 
-
-Vocoder = Callable[[torch.Tensor], torch.Tensor]  # mel (1, mels, frames) -> samples (1-D float32, CPU)
+    def vocoder_frames(self) -> tuple[int, int]:
+        """The mel frames the vocoder renders for a first chunk and for a later one inside the utterance:
+        the chunk's own and the vocoder's reach either side (none before the first). Most chunks have one
+        of these two lengths, so a vocoder process batches them (docs/speech.md, "BigVGAN on the CPU")."""
+        return (
+            self.chunk * self.repeats + VOCODER_REACH_FRAMES,
+            self.later * self.repeats + 2 * VOCODER_REACH_FRAMES,
+        )
 
 
 class SeededNoise:
@@ -252,20 +263,30 @@ class StreamRender:
         self.start = work.end
         self.seconds_queued += work.seconds
 
-    def vocode(self, work: ChunkWork, mel: torch.Tensor, vocoder: Vocoder | None = None) -> torch.Tensor:
-        """The chunk's samples from its window's ``mel`` (1, mels, frames): the vocoder (``vocoder``, else
-        the stage's BigVGAN in this process) renders the chunk's frames and its reach either side, not the
-        DiT's whole window."""
+    def vocoder_input(self, work: ChunkWork, mel: torch.Tensor) -> torch.Tensor:
+        """What the vocoder renders of the chunk's window ``mel`` (1, mels, frames): the chunk's frames and
+        its reach either side, not the DiT's whole window (never the window's padding)."""
+        low, high, _, _ = self.vocoder_span(work)
+        return mel[:, :, low:high].contiguous()  # as a vocoder process receives it
+
+    def chunk_samples(self, work: ChunkWork, wave: torch.Tensor) -> torch.Tensor:
+        """The chunk's own samples of ``wave``, the vocoder's samples (1-D) of :meth:`vocoder_input`."""
+        low, _, first, last = self.vocoder_span(work)
+        hop = self.plan.hop
+        return wave[(first - low) * hop : (last - low) * hop].clone()
+
+    def vocoder_span(self, work: ChunkWork) -> tuple[int, int, int, int]:
         plan = self.plan
         first, last = (work.start - work.low) * plan.repeats, (work.end - work.low) * plan.repeats
         low = max(0, first - VOCODER_REACH_FRAMES)
-        high = min(work.window.real_frames, last + VOCODER_REACH_FRAMES)  # never the padding
-        part = mel[:, :, low:high].contiguous()  # as a vocoder process receives it
-        if vocoder is None:
-            wave = self.stage.model.code2wav_bigvgan_model(part).reshape(-1).float().cpu()
-        else:
-            wave = vocoder(part)
-        return wave[(first - low) * plan.hop : (last - low) * plan.hop].clone()
+        high = min(work.window.real_frames, last + VOCODER_REACH_FRAMES)
+        return low, high, first, last
+
+    def vocode(self, work: ChunkWork, mel: torch.Tensor, vocoder: Vocoder | None = None) -> torch.Tensor:
+        """The chunk's samples from its window's ``mel`` (1, mels, frames), by ``vocoder`` (else the
+        stage's chunk vocoder in this process)."""
+        render = self.stage.chunk_vocoder if vocoder is None else vocoder
+        return self.chunk_samples(work, render(self.vocoder_input(work, mel))[0])
 
     def deliver(self, work: ChunkWork, samples: torch.Tensor) -> bool:
         """Send the chunk's ``samples`` (:meth:`vocode`; the chunks of a stream in order); True when the
@@ -320,6 +341,14 @@ VocoderItem = tuple[StreamRender, JobDone, ChunkWork | None, torch.Tensor | None
 # In the vocoder queue: (deadline, the order items were put, the item, its turn in its stream), or an
 # item None (the end of the vocoder thread).
 VocoderEntry = tuple[float, int, VocoderItem | None, int]
+
+
+def _vocoder_frames(item: VocoderItem) -> int:
+    """The length (mel frames) of a chunk's vocoder input."""
+    render, _, work, mel = item
+    assert work is not None and mel is not None
+    low, high, _, _ = render.vocoder_span(work)
+    return high - low
 
 
 class ChunkScheduler:
@@ -378,8 +407,13 @@ class ChunkScheduler:
     def _start_remote(self) -> None:
         self._remote_wanted = False  # once (a caller may start it before two streams are in flight)
         self._threads()
+        stage = self.stage
+        plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
+        mels = int(stage.model.code2wav_bigvgan_model.config.mel_dim)
         with torch.inference_mode():
-            remote = VocoderProcess.start(self.stage.model_path, 1, self.stage.model.code2wav_bigvgan_model)
+            remote = VocoderProcess.start(
+                stage.model_path, 1, stage.chunk_vocoder, mels, plan.vocoder_frames(), VOCODER_BATCH
+            )
         if remote is None:
             return
         if self._closed.is_set():
@@ -546,40 +580,103 @@ class ChunkScheduler:
         return True
 
     def _vocode(self) -> None:
-        """The vocoder thread: each chunk's samples from the vocoder process, sent, the most urgent
-        first. If the process fails, the chunks are vocoded here from then on."""
+        """The vocoder thread: the chunks' samples from the vocoder process, sent, the most urgent first
+        (with it, up to VOCODER_BATCH - 1 other waiting chunks of its length where the process batches
+        that length). If the process fails, the chunks are vocoded here from then on."""
         self._threads()
         with torch.inference_mode():
             while True:
-                _, _, item, turn = self._vocoder_queue.get()
-                if item is None:
+                entry = self._vocoder_queue.get()
+                if entry[2] is None:
                     return
                 self._vocoder_busy = True
                 try:
-                    self._send(item, self._remote, turn)
+                    self._send_batch([entry, *self._same_length(entry)], self._remote)
                 finally:
                     self._vocoder_busy = False
 
-    def _send(self, item: VocoderItem, remote: VocoderProcess | None, turn: int | None = None) -> None:
-        """Vocode a chunk (by ``remote``, else in this process) and send it, or end a stream whose chunks
-        are all sent; a stream that has ended meanwhile sends nothing. ``turn``: the item's place among its
-        stream's items handed to the vocoder thread (it is sent after those before it)."""
+    def _same_length(self, first: VocoderEntry) -> list[VocoderEntry]:
+        """The most urgent other chunks waiting in the vocoder queue whose vocoder input has ``first``'s
+        length, where the vocoder process batches that length (taken out of the queue)."""
+        remote, item = self._remote, first[2]
+        if remote is None or item is None or item[2] is None or item[3] is None:
+            return []
+        frames = _vocoder_frames(item)
+        if frames not in remote.batch_frames:
+            return []
+        taken: list[VocoderEntry] = []
+        kept: list[VocoderEntry] = []
+        while len(taken) < VOCODER_BATCH - 1:
+            try:
+                entry = self._vocoder_queue.get_nowait()
+            except queue.Empty:
+                break
+            other = entry[2]
+            if other is None or other[2] is None or other[3] is None or _vocoder_frames(other) != frames:
+                kept.append(entry)
+            else:
+                taken.append(entry)
+        for entry in kept:
+            self._vocoder_queue.put(entry)  # its place kept: the same deadline and order
+        return taken
+
+    def _send_batch(self, entries: list[VocoderEntry], remote: VocoderProcess | None) -> None:
+        """Vocode the chunks of ``entries`` (several: in one call to ``remote``) and send each in its
+        stream's turn, in the entries' order (a stream's chunks have rising deadlines)."""
+        samples = self._vocoded_together(entries, remote) if remote is not None and len(entries) > 1 else None
+        for index, (_, _, item, turn) in enumerate(entries):
+            assert item is not None
+            self._send(item, self._remote, turn, None if samples is None else samples[index])
+
+    def _vocoded_together(
+        self, entries: list[VocoderEntry], remote: VocoderProcess
+    ) -> list[torch.Tensor] | None:
+        """The chunks' samples from one call to the vocoder process, or None if it failed (then each is
+        vocoded in this process, from now on)."""
+        chunks = []
+        for _, _, item, _ in entries:
+            assert item is not None and item[2] is not None and item[3] is not None
+            chunks.append((item[0], item[2], item[3]))
         try:
-            self._vocode_and_send(item, remote, turn)
+            waves = remote.render(
+                torch.cat([render.vocoder_input(work, mel) for render, work, mel in chunks])
+            )
+        except (RuntimeError, OSError, EOFError):
+            self._remote = None
+            remote.close()
+            return None
+        return [
+            render.chunk_samples(work, wave) for (render, work, _), wave in zip(chunks, waves, strict=True)
+        ]
+
+    def _send(
+        self,
+        item: VocoderItem,
+        remote: VocoderProcess | None,
+        turn: int | None = None,
+        samples: torch.Tensor | None = None,
+    ) -> None:
+        """Vocode a chunk (by ``remote``, else in this process; ``samples``: vocoded already) and send it,
+        or end a stream whose chunks are all sent; a stream that has ended meanwhile sends nothing.
+        ``turn``: the item's place among its stream's items handed to the vocoder thread (it is sent after
+        those before it)."""
+        try:
+            self._vocode_and_send(item, remote, turn, samples)
         finally:
             if turn is not None:
                 with self._turns:
                     item[0].sent_turns += 1
                     self._turns.notify_all()
 
-    def _vocode_and_send(self, item: VocoderItem, remote: VocoderProcess | None, turn: int | None) -> None:
+    def _vocode_and_send(
+        self, item: VocoderItem, remote: VocoderProcess | None, turn: int | None, samples: torch.Tensor | None
+    ) -> None:
         render, done, work, mel = item
         if render.ended:
             return
         try:
             render.check()  # a stream cancelled since sends nothing more
-            samples = None
-            if work is not None and mel is not None:
+            if samples is None and work is not None and mel is not None:
                 samples = self._vocoded(render, work, mel, remote)
             if turn is not None:
                 with self._turns:  # the stream's earlier items first (vocoded by the other thread)
