@@ -16,8 +16,8 @@ from engine import GenerationParams, GenerationRequest
 from engine.engine import OmniEngine, build_engine
 from engine.modality import OutputAccumulator, OutputModality
 from engine.pipelines.qwen_omni import code2wav_streams
-from engine.pipelines.qwen_omni.code2wav_process import Code2WavProcess
-from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, batch_holds, random_windows
+from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, batch_holds
+from engine.pipelines.qwen_omni.vocoder_process import VocoderProcess
 from engine.stages.base import StageJob
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
 from tests.conftest import tiny_deploy
@@ -252,8 +252,8 @@ def test_where_the_check_fails_the_chunks_render_alone_with_the_same_samples(eng
     scheduler.batching.clear()  # the next test checks again
 
 
-def _with_second_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkScheduler, Code2WavProcess]:
-    """The stage's scheduler and its second process, started here if it is not running."""
+def _with_vocoder_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkScheduler, VocoderProcess]:
+    """The stage's scheduler and its vocoder process, started here if it is not running."""
     _submit_streams(engine, 1)  # the scheduler exists
     scheduler = _scheduler(engine)
     if scheduler._starter is not None:  # started by an earlier test's concurrent streams
@@ -269,11 +269,11 @@ def _with_second_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkSche
     return scheduler, remote
 
 
-def test_chunks_vocoded_by_the_second_process_keep_their_alone_samples_and_outlive_its_failure(engine):
-    """With the second process (docs/speech.md, "The second process") the chunks' samples are
+def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outlive_its_failure(engine):
+    """With a vocoder process (docs/speech.md, "The vocoder on the second core") the chunks' samples are
     the alone render's, made in this process; when the process dies, the next chunk is vocoded here and
     every stream still equals its alone samples."""
-    scheduler, remote = _with_second_process(engine)
+    scheduler, remote = _with_vocoder_process(engine)
     frames: list[int] = []
     render = remote.render
     remote.render = lambda mels: frames.extend([int(mels.shape[-1])] * len(mels)) or render(mels)  # type: ignore[method-assign]
@@ -292,32 +292,11 @@ def test_chunks_vocoded_by_the_second_process_keep_their_alone_samples_and_outli
         assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
 
 
-def test_a_dit_batch_is_shared_with_the_second_process_and_each_window_keeps_its_alone_mel(engine):
-    """With the second process up, the less urgent half of a DiT batch is integrated there while the
-    scheduler's thread integrates the rest (docs/speech.md, "The second process"): every window's mel is
-    its mel alone here."""
-    scheduler, _ = _with_second_process(engine)
-    flow = engine.runners[2].flow
-    there = scheduler.integrated_there
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the stage's intra-op threads: the kernels the process runs too
-    try:
-        with torch.inference_mode():
-            windows = random_windows(flow, 48, True, 5, torch.Generator().manual_seed(9))  # one key
-            mels = scheduler._integrate(windows)
-            alone = [flow.integrate([window]) for window in windows]
-    finally:
-        torch.set_num_threads(before)
-    assert scheduler.integrated_there - there == 2  # the last two of five
-    for row, mel in enumerate(alone):
-        assert torch.equal(mels[row : row + 1], mel), row
-
-
-def test_while_the_second_process_is_busy_the_scheduler_vocodes_and_every_stream_keeps_its_order(engine):
+def test_while_the_vocoder_process_is_busy_the_scheduler_vocodes_and_every_stream_keeps_its_order(engine):
     """With nothing to integrate, the scheduler's thread vocodes chunks waiting for a busy vocoder process
-    (docs/speech.md, "The second process"), one stream's chunks still in order: a slow
+    (docs/speech.md, "The vocoder on the second core"), one stream's chunks still in order: a slow
     process leaves it most of them, and every stream equals its alone samples."""
-    scheduler, remote = _with_second_process(engine)
+    scheduler, remote = _with_vocoder_process(engine)
     render = remote.render
     batches: list[int] = []
 

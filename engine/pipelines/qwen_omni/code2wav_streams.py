@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,8 +27,8 @@ import torch
 from engine.config import ResolvedStage
 from engine.events import DiffusionStep, StageStatus
 from engine.pipelines.qwen_omni.bigvgan_cpu import Vocoder
-from engine.pipelines.qwen_omni.code2wav_process import Code2WavProcess
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow, batch_holds
+from engine.pipelines.qwen_omni.vocoder_process import VocoderProcess
 from engine.stages.base import JobDone, StageCancelled, StageJob
 from engine.streaming import CANCEL_POLL_S, CHUNK_FEED_KEY, ChunkFeed
 from engine.tempo import Tempo
@@ -75,7 +74,7 @@ VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a 
 # Every chunk after the first is this many times chunk_size: the first is small so the first sound comes
 # soon; later ones render less context per second of audio (docs/speech.md, "Chunk sizes").
 LATER_CHUNKS = 2
-# Chunks of one length the second process vocodes in one call at most: per window 14 ms in a batch of four
+# Chunks of one length a vocoder process renders in one call at most: per window 14 ms in a batch of four
 # 64-frame windows against 21 alone, 13 in one of eight (docs/speech.md, "BigVGAN on the CPU").
 VOCODER_BATCH = 4
 
@@ -160,7 +159,7 @@ class ChunkPlan:
     def vocoder_frames(self) -> tuple[int, int]:
         """The mel frames the vocoder renders for a first chunk and for a later one inside the utterance:
         the chunk's own and the vocoder's reach either side (none before the first). Most chunks have one
-        of these two lengths, so the second process vocodes them in batches (docs/speech.md, "BigVGAN on the CPU")."""
+        of these two lengths, so a vocoder process batches them (docs/speech.md, "BigVGAN on the CPU")."""
         return (
             self.chunk * self.repeats + VOCODER_REACH_FRAMES,
             self.later * self.repeats + 2 * VOCODER_REACH_FRAMES,
@@ -268,7 +267,7 @@ class StreamRender:
         """What the vocoder renders of the chunk's window ``mel`` (1, mels, frames): the chunk's frames and
         its reach either side, not the DiT's whole window (never the window's padding)."""
         low, high, _, _ = self.vocoder_span(work)
-        return mel[:, :, low:high].contiguous()  # as the second process receives it
+        return mel[:, :, low:high].contiguous()  # as a vocoder process receives it
 
     def chunk_samples(self, work: ChunkWork, wave: torch.Tensor) -> torch.Tensor:
         """The chunk's own samples of ``wave``, the vocoder's samples (1-D) of :meth:`vocoder_input`."""
@@ -358,14 +357,13 @@ class ChunkScheduler:
     chunks whose windows have its length (one DiT batch, :class:`~engine.pipelines.qwen_omni.dit_batch.
     BatchedFlow`, where :func:`batch_holds` finds that a batch gives each window its alone bits on this
     machine; else one after another), and vocodes and sends them. Where the machine has a second core
-    for a small model, a second process (:class:`~engine.pipelines.qwen_omni.code2wav_process.
-    Code2WavProcess`, checked to give this process's bits) integrates the less urgent half of each DiT
-    batch while this thread integrates the rest, and renders the chunks' samples, fed by a vocoder thread
-    the most urgent first (with other waiting chunks of its length, in one batch, where the process
-    batches that length); this thread vocodes waiting chunks itself when it has nothing to integrate
-    while the process is busy (each stream's chunks still sent in turn; docs/speech.md, "The second
-    process"). A stream joins as soon as the stage worker hands it over and leaves when finished, failed
-    or cancelled; a failure is its own (the others go on)."""
+    for a small model, a vocoder process (:class:`~engine.pipelines.qwen_omni.vocoder_process.
+    VocoderProcess`, checked to give this process's bits) renders the chunks' samples instead, fed by a
+    second thread the most urgent first (a stream's chunks in order), while this one integrates the next
+    batch, and vocodes waiting chunks itself when it has nothing to integrate while the process is busy
+    (each stream's chunks still sent in turn; docs/speech.md, "The vocoder on the second core"). A stream joins as soon as the stage worker
+    hands it over and leaves when finished, failed or cancelled; a failure is its own (the others go
+    on)."""
 
     def __init__(self, stage: Code2WavStage) -> None:
         self.stage = stage
@@ -379,14 +377,9 @@ class ChunkScheduler:
         self._queued = 0  # the vocoder queue's tie-break: the order items were put
         self._turns = threading.Condition()  # a stream's items are sent in turn (StreamRender.handed)
         self._vocoder_busy = False  # the vocoder thread is sending an item
-        self.vocoded_here = 0  # chunks the scheduler's thread vocoded while the second process was busy
-        self.integrated_there = 0  # DiT windows the second process integrated
-        # Waits for the second process's half of a DiT batch while this thread integrates the rest.
-        self._dit_helper = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"omni-code2wav-{stage.stage_id}-dit"
-        )
+        self.vocoded_here = 0  # chunks the scheduler's thread vocoded while the vocoder process was busy
         self._ends = threading.Lock()  # a stream ends once, and nothing is sent for it after
-        self._remote: Code2WavProcess | None = None  # the second process, once started and checked
+        self._remote: VocoderProcess | None = None  # the vocoder process, once started and checked
         self._handing_over = False  # set once it is: every chunk goes through the vocoder thread from then
         self._closed = threading.Event()
         name = f"omni-code2wav-{stage.stage_id}"
@@ -405,7 +398,7 @@ class ChunkScheduler:
             self._starter.start()
 
     def _second_core(self) -> bool:
-        """Whether a second process may pay: a CPU stage whose model runs on one thread, on a machine
+        """Whether a vocoder process may pay: a CPU stage whose model runs on one thread, on a machine
         with more than one core for this process (it is started once two streams are in flight)."""
         if self.stage.device.type != "cpu" or self.stage.intra_op_threads != 1:
             return False
@@ -416,15 +409,10 @@ class ChunkScheduler:
         self._threads()
         stage = self.stage
         plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
+        mels = int(stage.model.code2wav_bigvgan_model.config.mel_dim)
         with torch.inference_mode():
-            remote = Code2WavProcess.start(
-                stage.model_path,
-                1,
-                stage.chunk_vocoder,
-                stage.flow,
-                plan.vocoder_frames(),
-                VOCODER_BATCH,
-                max(1, self.max_batch // 2),
+            remote = VocoderProcess.start(
+                stage.model_path, 1, stage.chunk_vocoder, mels, plan.vocoder_frames(), VOCODER_BATCH
             )
         if remote is None:
             return
@@ -446,7 +434,6 @@ class ChunkScheduler:
         self._vocoder.join(timeout=30)
         if self._starter is not None:  # a process still starting: it sees the close and stops it
             self._starter.join(timeout=30)
-        self._dit_helper.shutdown(wait=True)
         remote, self._remote = self._remote, None
         if remote is not None:
             remote.close()
@@ -534,7 +521,7 @@ class ChunkScheduler:
             return
         self.batch_sizes[len(works)] += 1
         try:
-            mels = self._integrate([work.window for _, work in works])
+            mels = self.stage.flow.integrate([work.window for _, work in works])
         except Exception:  # rendered alone, so a failure is the stream's own
             mels = None
         for row, (key, work) in enumerate(works):
@@ -556,31 +543,6 @@ class ChunkScheduler:
             if not self._hand_on(deadline, (render, done, work, mel)) and render.ended:
                 streams.pop(key, None)
 
-    def _integrate(self, windows: list[DiTWindow]) -> torch.Tensor:
-        """The mels of one DiT batch. With the second process up, its less urgent half is integrated
-        there while this thread integrates the rest (docs/speech.md, "The second process"); each window
-        gets its alone bits either way (the process was checked to give this one's)."""
-        remote = self._remote
-        if remote is None or len(windows) < 2:
-            return self.stage.flow.integrate(windows)
-        split = len(windows) - len(windows) // 2
-        there = self._dit_helper.submit(remote.integrate, windows[split:])
-        here = self.stage.flow.integrate(windows[:split])
-        try:
-            far = there.result()
-        except (RuntimeError, OSError, EOFError):  # the process failed: render here from now on
-            self._drop(remote)
-            far = self.stage.flow.integrate(windows[split:])
-        else:
-            self.integrated_there += len(windows) - split
-        return torch.cat([here, far], dim=0)
-
-    def _drop(self, remote: Code2WavProcess) -> None:
-        """The process failed: everything is rendered in this process from now on."""
-        if self._remote is remote:
-            self._remote = None
-        remote.close()
-
     def _hand_on(self, deadline: float, item: VocoderItem) -> bool:
         """Give a chunk past the DiT to the vocoder thread (True), or, before there is a vocoder
         process, vocode and send it here (False)."""
@@ -598,8 +560,8 @@ class ChunkScheduler:
         self._vocoder_queue.put((deadline, self._queued, item, turn))
 
     def _vocode_here(self) -> bool:
-        """With no chunk to integrate while the second process is busy, vocode the most urgent chunk
-        waiting for it on this thread (docs/speech.md, "The second process"): this process's
+        """With no chunk to integrate while the vocoder process is busy, vocode the most urgent chunk
+        waiting for it on this thread (docs/speech.md, "The vocoder on the second core"): this process's
         BigVGAN gives the process's bits (checked when the process started). It is the most urgent of its
         stream still queued (a stream's chunks have rising deadlines), and it is sent in its turn, after
         any earlier chunk of its stream at the process. True when it vocoded one."""
@@ -618,7 +580,7 @@ class ChunkScheduler:
         return True
 
     def _vocode(self) -> None:
-        """The vocoder thread: the chunks' samples from the second process, sent, the most urgent first
+        """The vocoder thread: the chunks' samples from the vocoder process, sent, the most urgent first
         (with it, up to VOCODER_BATCH - 1 other waiting chunks of its length where the process batches
         that length). If the process fails, the chunks are vocoded here from then on."""
         self._threads()
@@ -635,7 +597,7 @@ class ChunkScheduler:
 
     def _same_length(self, first: VocoderEntry) -> list[VocoderEntry]:
         """The most urgent other chunks waiting in the vocoder queue whose vocoder input has ``first``'s
-        length, where the second process batches that length (taken out of the queue)."""
+        length, where the vocoder process batches that length (taken out of the queue)."""
         remote, item = self._remote, first[2]
         if remote is None or item is None or item[2] is None or item[3] is None:
             return []
@@ -658,7 +620,7 @@ class ChunkScheduler:
             self._vocoder_queue.put(entry)  # its place kept: the same deadline and order
         return taken
 
-    def _send_batch(self, entries: list[VocoderEntry], remote: Code2WavProcess | None) -> None:
+    def _send_batch(self, entries: list[VocoderEntry], remote: VocoderProcess | None) -> None:
         """Vocode the chunks of ``entries`` (several: in one call to ``remote``) and send each in its
         stream's turn, in the entries' order (a stream's chunks have rising deadlines)."""
         samples = self._vocoded_together(entries, remote) if remote is not None and len(entries) > 1 else None
@@ -667,9 +629,9 @@ class ChunkScheduler:
             self._send(item, self._remote, turn, None if samples is None else samples[index])
 
     def _vocoded_together(
-        self, entries: list[VocoderEntry], remote: Code2WavProcess
+        self, entries: list[VocoderEntry], remote: VocoderProcess
     ) -> list[torch.Tensor] | None:
-        """The chunks' samples from one call to the second process, or None if it failed (then each is
+        """The chunks' samples from one call to the vocoder process, or None if it failed (then each is
         vocoded in this process, from now on)."""
         chunks = []
         for _, _, item, _ in entries:
@@ -690,7 +652,7 @@ class ChunkScheduler:
     def _send(
         self,
         item: VocoderItem,
-        remote: Code2WavProcess | None,
+        remote: VocoderProcess | None,
         turn: int | None = None,
         samples: torch.Tensor | None = None,
     ) -> None:
@@ -707,11 +669,7 @@ class ChunkScheduler:
                     self._turns.notify_all()
 
     def _vocode_and_send(
-        self,
-        item: VocoderItem,
-        remote: Code2WavProcess | None,
-        turn: int | None,
-        samples: torch.Tensor | None,
+        self, item: VocoderItem, remote: VocoderProcess | None, turn: int | None, samples: torch.Tensor | None
     ) -> None:
         render, done, work, mel = item
         if render.ended:
@@ -739,13 +697,14 @@ class ChunkScheduler:
             self._end(render, done, None)
 
     def _vocoded(
-        self, render: StreamRender, work: ChunkWork, mel: torch.Tensor, remote: Code2WavProcess | None
+        self, render: StreamRender, work: ChunkWork, mel: torch.Tensor, remote: VocoderProcess | None
     ) -> torch.Tensor:
         if remote is not None:
             try:
                 return render.vocode(work, mel, remote.render)
             except (RuntimeError, OSError, EOFError):  # the process failed: vocode here from now on
-                self._drop(remote)
+                self._remote = None
+                remote.close()
         return render.vocode(work, mel)
 
     def _batches(self, work: ChunkWork) -> bool:
