@@ -4,6 +4,7 @@ where the running machine's check says so, and the check catches a batch that do
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -317,3 +318,40 @@ def test_while_the_vocoder_process_is_busy_the_scheduler_vocodes_and_every_strea
     assert max(batches) > 1 if remote.batch_frames else max(batches) == 1
     for job in jobs:
         assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
+
+
+class _Stream:
+    """A stream in the vocoder queue, for the batch choice alone: a chunk's vocoder input is its work's
+    length."""
+
+    def vocoder_span(self, work: int) -> tuple[int, int, int, int]:
+        return 0, work, 0, work
+
+
+def test_a_vocoder_batch_takes_chunks_of_its_length_but_never_one_behind_its_streams_earlier_chunk():
+    """The vocoder thread sends the most urgent chunk with other waiting chunks of its length, but leaves a
+    chunk whose stream has an earlier one waiting (it would wait for that one, which nothing would vocode
+    meanwhile), and keeps every other entry's place."""
+    scheduler = code2wav_streams.ChunkScheduler.__new__(code2wav_streams.ChunkScheduler)
+    scheduler._remote = type("Remote", (), {"batch_frames": frozenset({64})})()  # type: ignore[assignment]
+    scheduler._vocoder_queue = queue.PriorityQueue()
+    first, behind, other, third = _Stream(), _Stream(), _Stream(), _Stream()
+    mel = torch.zeros(1)
+
+    def entry(deadline: float, stream: _Stream, frames: int, turn: int) -> code2wav_streams.VocoderEntry:
+        return (deadline, int(deadline * 10), (stream, None, frames, mel), turn)  # type: ignore[return-value]
+
+    waiting = [
+        entry(1.0, behind, 128, 0),  # another length: stays
+        entry(2.0, behind, 64, 1),  # its length, but behind its stream's chunk that stays: stays
+        entry(3.0, other, 64, 0),  # taken
+        entry(4.0, third, 64, 0),  # taken
+        entry(5.0, other, 64, 1),  # taken: its stream's earlier chunk is taken before it
+        entry(6.0, third, 64, 1),  # past a batch of four: stays
+    ]
+    for item in waiting:
+        scheduler._vocoder_queue.put(item)
+    taken = scheduler._same_length(entry(0.5, first, 64, 0))
+    assert [e[0] for e in taken] == [3.0, 4.0, 5.0]
+    left = [scheduler._vocoder_queue.get_nowait()[0] for _ in range(scheduler._vocoder_queue.qsize())]
+    assert left == [1.0, 2.0, 6.0]

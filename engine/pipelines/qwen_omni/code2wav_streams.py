@@ -597,7 +597,9 @@ class ChunkScheduler:
 
     def _same_length(self, first: VocoderEntry) -> list[VocoderEntry]:
         """The most urgent other chunks waiting in the vocoder queue whose vocoder input has ``first``'s
-        length, where the vocoder process batches that length (taken out of the queue)."""
+        length, where the vocoder process batches that length (taken out of the queue). A chunk whose
+        stream has an earlier item left in the queue stays there too: it could not be sent before that
+        one, which nothing would vocode while this thread waits."""
         remote, item = self._remote, first[2]
         if remote is None or item is None or item[2] is None or item[3] is None:
             return []
@@ -606,14 +608,23 @@ class ChunkScheduler:
             return []
         taken: list[VocoderEntry] = []
         kept: list[VocoderEntry] = []
+        waiting: set[int] = set()  # streams with an item kept in the queue
         while len(taken) < VOCODER_BATCH - 1:
             try:
                 entry = self._vocoder_queue.get_nowait()
             except queue.Empty:
                 break
             other = entry[2]
-            if other is None or other[2] is None or other[3] is None or _vocoder_frames(other) != frames:
+            if (
+                other is None
+                or other[2] is None
+                or other[3] is None
+                or id(other[0]) in waiting
+                or _vocoder_frames(other) != frames
+            ):
                 kept.append(entry)
+                if other is not None:
+                    waiting.add(id(other[0]))
             else:
                 taken.append(entry)
         for entry in kept:
