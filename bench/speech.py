@@ -9,8 +9,8 @@ alternate the order of the four; ratios engine / one-shot are paired per round a
 concurrency 1, 4, 8 and 16 of streamed speech (levels alternating over rounds; each client its own API
 key): audio seconds made per wall second (also against the one-shot's, one request at a time), TTFP
 p50/p95, RTF, the share of streams whose worst underrun is at most 100 ms, and whether every stream's
-bytes equal the same request's alone. Before the rounds, two requests at once warm code2wav's vocoder
-process (where it runs: docs/speech.md, "The vocoder on the second core"). docs/speech.md, "Benchmark"
+bytes equal the same request's alone. Before the rounds, two requests at once warm code2wav's second
+process (where it runs: docs/speech.md, "The second process"). docs/speech.md, "Benchmark"
 and "Many listeners".
 
     .venv/bin/python bench/speech.py [--rounds 3] [--seeds 3] [--levels 1 4 8 16] [--per-client 1]
@@ -48,7 +48,7 @@ VOICE = "Chelsie"
 SPEECH_INPUT = "hello there, how are you today"
 CHAT_PROMPT = "say hello"
 RATE = 24_000  # code2wav's rate (pcm: int16 mono)
-VOCODER_START_S = 8.0  # the vocoder process's start-up (a few seconds), after the warm-up's two streams
+VOCODER_START_S = 8.0  # code2wav's second process's start-up (a few seconds), after the warm-up's two streams
 
 
 def machine() -> str:
@@ -280,8 +280,8 @@ def main() -> None:
     with running_server(["serve", "--model", MODEL, *args.serve_args], data_dir) as server:
         client = httpx.Client(base_url=server.url, timeout=600)
         http_speech(client, 0), http_chat(client, 0), one_shot.run(0, True)  # warm-up
-        # Two streams at once start code2wav's vocoder process where the machine has a second core
-        # (docs/speech.md, "The vocoder on the second core"): every round then sees the server as it
+        # Two streams at once start code2wav's second process where the machine has a second core
+        # (docs/speech.md, "The second process"): every round then sees the server as it
         # serves once it has had two listeners, not its first seconds.
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda _: http_speech(client, 0), range(2)))

@@ -13,7 +13,7 @@ import torch
 
 from engine.models import describe_model, materialize
 from engine.pipelines.qwen_omni.bigvgan_cpu import CpuBigVGAN, batch_holds, chunk_vocoder
-from engine.pipelines.qwen_omni.vocoder_process import load_vocoder
+from engine.pipelines.qwen_omni.code2wav_process import load_vocoder
 
 
 @pytest.fixture(scope="module", params=["tiny-qwen-omni", "tiny-qwen-omni-dtmf"])

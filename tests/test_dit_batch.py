@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,8 +18,8 @@ from engine import GenerationParams, GenerationRequest
 from engine.engine import OmniEngine, build_engine
 from engine.modality import OutputAccumulator, OutputModality
 from engine.pipelines.qwen_omni import code2wav_streams
+from engine.pipelines.qwen_omni.code2wav_process import Code2WavProcess
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, batch_holds
-from engine.pipelines.qwen_omni.vocoder_process import VocoderProcess
 from engine.stages.base import StageJob
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed
 from tests.conftest import tiny_deploy
@@ -253,8 +254,8 @@ def test_where_the_check_fails_the_chunks_render_alone_with_the_same_samples(eng
     scheduler.batching.clear()  # the next test checks again
 
 
-def _with_vocoder_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkScheduler, VocoderProcess]:
-    """The stage's scheduler and its vocoder process, started here if it is not running."""
+def _with_second_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkScheduler, Code2WavProcess]:
+    """The stage's scheduler and its second process, started here if it is not running."""
     _submit_streams(engine, 1)  # the scheduler exists
     scheduler = _scheduler(engine)
     if scheduler._starter is not None:  # started by an earlier test's concurrent streams
@@ -270,19 +271,20 @@ def _with_vocoder_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkSch
     return scheduler, remote
 
 
-def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outlive_its_failure(engine):
-    """With a vocoder process (docs/speech.md, "The vocoder on the second core") the chunks' samples are
+def test_chunks_vocoded_by_the_code2wav_process_keep_their_alone_samples_and_outlive_its_failure(engine):
+    """With the second process (docs/speech.md, "The second process") the chunks' samples are
     the alone render's, made in this process; when the process dies, the next chunk is vocoded here and
     every stream still equals its alone samples."""
-    scheduler, remote = _with_vocoder_process(engine)
+    scheduler, remote = _with_second_process(engine)
     frames: list[int] = []
     render = remote.render
     remote.render = lambda mels: frames.extend([int(mels.shape[-1])] * len(mels)) or render(mels)  # type: ignore[method-assign]
-    here = scheduler.vocoded_here
+    here, there = scheduler.vocoded_here, scheduler.rendered_there
     jobs = _submit_streams(engine, 4)
-    # Every chunk of the four streams went to the process (alone, or in a batch of one length), but those
-    # the scheduler's thread took while the process was busy and it had nothing to integrate.
-    assert len(frames) >= 1 and len(frames) + scheduler.vocoded_here - here >= 8
+    # Every chunk of the four streams went to the process (its mel alone, or in a batch of one length, or
+    # rendered there end to end: every other stream), but those the scheduler's thread took while the
+    # process was busy and it had nothing to integrate.
+    assert len(frames) + scheduler.rendered_there - there + scheduler.vocoded_here - here >= 8
     for job in jobs:
         assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
     remote._child.kill()
@@ -293,11 +295,23 @@ def test_chunks_vocoded_by_the_vocoder_process_keep_their_alone_samples_and_outl
         assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
 
 
-def test_while_the_vocoder_process_is_busy_the_scheduler_vocodes_and_every_stream_keeps_its_order(engine):
-    """With nothing to integrate, the scheduler's thread vocodes chunks waiting for a busy vocoder process
-    (docs/speech.md, "The vocoder on the second core"), one stream's chunks still in order: a slow
+def test_streams_rendered_by_the_second_process_end_to_end_keep_their_alone_samples(engine, monkeypatch):
+    """Every other stream's chunks are rendered by the second process, DiT and vocoder (docs/speech.md,
+    "The second process"): here every stream is, and each equals its alone samples made in this process."""
+    scheduler, _ = _with_second_process(engine)
+    monkeypatch.setattr(scheduler, "_renders_there", lambda: True)
+    there = scheduler.rendered_there
+    jobs = _submit_streams(engine, 4)
+    assert scheduler.rendered_there - there >= 1
+    for job in jobs:
+        assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
+
+
+def test_while_the_code2wav_process_is_busy_the_scheduler_vocodes_and_every_stream_keeps_its_order(engine):
+    """With nothing to integrate, the scheduler's thread vocodes chunks waiting for a busy second process
+    (docs/speech.md, "The second process"), one stream's chunks still in order: a slow
     process leaves it most of them, and every stream equals its alone samples."""
-    scheduler, remote = _with_vocoder_process(engine)
+    scheduler, remote = _with_second_process(engine)
     render = remote.render
     batches: list[int] = []
 
@@ -321,37 +335,54 @@ def test_while_the_vocoder_process_is_busy_the_scheduler_vocodes_and_every_strea
 
 
 class _Stream:
-    """A stream in the vocoder queue, for the batch choice alone: a chunk's vocoder input is its work's
-    length."""
+    """A stream in the vocoder queue, for the choice of a call's chunks alone."""
 
-    def vocoder_span(self, work: int) -> tuple[int, int, int, int]:
-        return 0, work, 0, work
+    def vocoder_span(self, work: SimpleNamespace) -> tuple[int, int, int, int]:
+        return 0, work.frames, 0, work.frames
 
 
-def test_a_vocoder_batch_takes_chunks_of_its_length_but_never_one_behind_its_streams_earlier_chunk():
-    """The vocoder thread sends the most urgent chunk with other waiting chunks of its length, but leaves a
-    chunk whose stream has an earlier one waiting (it would wait for that one, which nothing would vocode
-    meanwhile), and keeps every other entry's place."""
+def test_a_call_to_the_second_process_takes_chunks_that_match_but_never_one_behind_its_streams_earlier_chunk():
+    """The vocoder thread sends the most urgent chunk with other waiting chunks it can share a call with:
+    mels of its length (up to four), or chunks to render there end to end whose DiT windows have its key
+    (up to max_num_seqs). It leaves a chunk whose stream has an earlier one waiting (it would wait for that
+    one, which nothing would render meanwhile), and keeps every other entry's place."""
     scheduler = code2wav_streams.ChunkScheduler.__new__(code2wav_streams.ChunkScheduler)
-    scheduler._remote = type("Remote", (), {"batch_frames": frozenset({64})})()  # type: ignore[assignment]
-    scheduler._vocoder_queue = queue.PriorityQueue()
+    scheduler._remote = SimpleNamespace(batch_frames=frozenset({64}))  # type: ignore[assignment]
+    scheduler.max_batch = 3
     first, behind, other, third = _Stream(), _Stream(), _Stream(), _Stream()
-    mel = torch.zeros(1)
 
-    def entry(deadline: float, stream: _Stream, frames: int, turn: int) -> code2wav_streams.VocoderEntry:
-        return (deadline, int(deadline * 10), (stream, None, frames, mel), turn)  # type: ignore[return-value]
+    def entry(deadline: float, stream: _Stream, frames: int, turn: int, there: bool = False) -> tuple:
+        work = SimpleNamespace(frames=frames, window=SimpleNamespace(key=(frames,)))
+        return (deadline, int(deadline * 10), (stream, None, work, None if there else torch.zeros(1)), turn)
 
-    waiting = [
+    def left() -> list[float]:
+        queued = scheduler._vocoder_queue
+        return [queued.get_nowait()[0] for _ in range(queued.qsize())]
+
+    scheduler._vocoder_queue = queue.PriorityQueue()
+    for item in [
         entry(1.0, behind, 128, 0),  # another length: stays
         entry(2.0, behind, 64, 1),  # its length, but behind its stream's chunk that stays: stays
+        entry(2.5, first, 64, 1, there=True),  # to render there: another kind of call
         entry(3.0, other, 64, 0),  # taken
         entry(4.0, third, 64, 0),  # taken
         entry(5.0, other, 64, 1),  # taken: its stream's earlier chunk is taken before it
         entry(6.0, third, 64, 1),  # past a batch of four: stays
-    ]
-    for item in waiting:
+    ]:
         scheduler._vocoder_queue.put(item)
-    taken = scheduler._same_length(entry(0.5, first, 64, 0))
+    taken = scheduler._companions(entry(0.5, first, 64, 0))
     assert [e[0] for e in taken] == [3.0, 4.0, 5.0]
-    left = [scheduler._vocoder_queue.get_nowait()[0] for _ in range(scheduler._vocoder_queue.qsize())]
-    assert left == [1.0, 2.0, 6.0]
+    assert left() == [1.0, 2.0, 2.5, 6.0]
+
+    for item in [
+        entry(1.0, behind, 64, 0),  # a mel to vocode: another kind of call
+        entry(2.0, behind, 64, 1, there=True),  # behind its stream's chunk that stays: stays
+        entry(3.0, other, 128, 0, there=True),  # another window key: stays
+        entry(4.0, third, 64, 0, there=True),  # taken
+        entry(5.0, third, 64, 1, there=True),  # taken
+        entry(6.0, other, 64, 1, there=True),  # past max_num_seqs: stays
+    ]:
+        scheduler._vocoder_queue.put(item)
+    taken = scheduler._companions(entry(0.5, first, 64, 0, there=True))
+    assert [e[0] for e in taken] == [4.0, 5.0]
+    assert left() == [1.0, 2.0, 3.0, 6.0]

@@ -27,8 +27,8 @@ import torch
 from engine.config import ResolvedStage
 from engine.events import DiffusionStep, StageStatus
 from engine.pipelines.qwen_omni.bigvgan_cpu import Vocoder
+from engine.pipelines.qwen_omni.code2wav_process import Code2WavProcess
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow, batch_holds
-from engine.pipelines.qwen_omni.vocoder_process import VocoderProcess
 from engine.stages.base import JobDone, StageCancelled, StageJob
 from engine.streaming import CANCEL_POLL_S, CHUNK_FEED_KEY, ChunkFeed
 from engine.tempo import Tempo
@@ -74,7 +74,7 @@ VOCODER_REACH_FRAMES = 16  # mel frames of context BigVGAN needs each side of a 
 # Every chunk after the first is this many times chunk_size: the first is small so the first sound comes
 # soon; later ones render less context per second of audio (docs/speech.md, "Chunk sizes").
 LATER_CHUNKS = 2
-# Chunks of one length a vocoder process renders in one call at most: per window 14 ms in a batch of four
+# Chunks of one length the second process vocodes in one call at most: per window 14 ms in a batch of four
 # 64-frame windows against 21 alone, 13 in one of eight (docs/speech.md, "BigVGAN on the CPU").
 VOCODER_BATCH = 4
 
@@ -159,7 +159,7 @@ class ChunkPlan:
     def vocoder_frames(self) -> tuple[int, int]:
         """The mel frames the vocoder renders for a first chunk and for a later one inside the utterance:
         the chunk's own and the vocoder's reach either side (none before the first). Most chunks have one
-        of these two lengths, so a vocoder process batches them (docs/speech.md, "BigVGAN on the CPU")."""
+        of these two lengths, so the second process vocodes them in batches (docs/speech.md, "BigVGAN on the CPU")."""
         return (
             self.chunk * self.repeats + VOCODER_REACH_FRAMES,
             self.later * self.repeats + 2 * VOCODER_REACH_FRAMES,
@@ -216,6 +216,7 @@ class StreamRender:
         self.seconds_out = 0.0  # audio seconds sent so far
         self.seconds_queued = 0.0  # audio seconds past the DiT, not sent yet (at the vocoder)
         self.ended = False  # finished, failed or cancelled: nothing more is sent (ChunkScheduler)
+        self.elsewhere = False  # its chunks are rendered by the second process (ChunkScheduler)
         # Its items handed to the vocoder thread and those sent, in turns: they are sent in the order they
         # were handed on, whichever thread vocodes them (ChunkScheduler).
         self.handed = 0
@@ -267,7 +268,7 @@ class StreamRender:
         """What the vocoder renders of the chunk's window ``mel`` (1, mels, frames): the chunk's frames and
         its reach either side, not the DiT's whole window (never the window's padding)."""
         low, high, _, _ = self.vocoder_span(work)
-        return mel[:, :, low:high].contiguous()  # as a vocoder process receives it
+        return mel[:, :, low:high].contiguous()  # as the second process receives it
 
     def chunk_samples(self, work: ChunkWork, wave: torch.Tensor) -> torch.Tensor:
         """The chunk's own samples of ``wave``, the vocoder's samples (1-D) of :meth:`vocoder_input`."""
@@ -343,6 +344,12 @@ VocoderItem = tuple[StreamRender, JobDone, ChunkWork | None, torch.Tensor | None
 VocoderEntry = tuple[float, int, VocoderItem | None, int]
 
 
+def _there(entry: VocoderEntry) -> bool:
+    """Whether the entry is a chunk whose DiT window the second process integrates too (no mel yet)."""
+    item = entry[2]
+    return item is not None and item[2] is not None and item[3] is None
+
+
 def _vocoder_frames(item: VocoderItem) -> int:
     """The length (mel frames) of a chunk's vocoder input."""
     render, _, work, mel = item
@@ -357,13 +364,14 @@ class ChunkScheduler:
     chunks whose windows have its length (one DiT batch, :class:`~engine.pipelines.qwen_omni.dit_batch.
     BatchedFlow`, where :func:`batch_holds` finds that a batch gives each window its alone bits on this
     machine; else one after another), and vocodes and sends them. Where the machine has a second core
-    for a small model, a vocoder process (:class:`~engine.pipelines.qwen_omni.vocoder_process.
-    VocoderProcess`, checked to give this process's bits) renders the chunks' samples instead, fed by a
-    second thread the most urgent first (a stream's chunks in order), while this one integrates the next
-    batch, and vocodes waiting chunks itself when it has nothing to integrate while the process is busy
-    (each stream's chunks still sent in turn; docs/speech.md, "The vocoder on the second core"). A stream joins as soon as the stage worker
-    hands it over and leaves when finished, failed or cancelled; a failure is its own (the others go
-    on)."""
+    for a small model, a second process (:class:`~engine.pipelines.qwen_omni.code2wav_process.
+    Code2WavProcess`, checked to give this process's bits) renders the chunks' samples instead, and every
+    other stream's chunks end to end (DiT and vocoder), fed by a vocoder thread the most urgent first
+    (with the other waiting chunks that can share its call: a stream's chunks in order), while this thread
+    integrates the next batch of the others; it renders waiting chunks itself when it has nothing to
+    integrate while the process is busy (each stream's chunks still sent in turn; docs/speech.md, "The
+    second process"). A stream joins as soon as the stage worker hands it over and leaves when finished,
+    failed or cancelled; a failure is its own (the others go on)."""
 
     def __init__(self, stage: Code2WavStage) -> None:
         self.stage = stage
@@ -377,9 +385,11 @@ class ChunkScheduler:
         self._queued = 0  # the vocoder queue's tie-break: the order items were put
         self._turns = threading.Condition()  # a stream's items are sent in turn (StreamRender.handed)
         self._vocoder_busy = False  # the vocoder thread is sending an item
-        self.vocoded_here = 0  # chunks the scheduler's thread vocoded while the vocoder process was busy
+        self.vocoded_here = 0  # chunks the scheduler's thread vocoded while the second process was busy
+        self.rendered_there = 0  # chunks the second process rendered end to end (DiT and vocoder)
+        self._admitted = 0  # streams admitted since the second process is up
         self._ends = threading.Lock()  # a stream ends once, and nothing is sent for it after
-        self._remote: VocoderProcess | None = None  # the vocoder process, once started and checked
+        self._remote: Code2WavProcess | None = None  # the second process, once started and checked
         self._handing_over = False  # set once it is: every chunk goes through the vocoder thread from then
         self._closed = threading.Event()
         name = f"omni-code2wav-{stage.stage_id}"
@@ -398,7 +408,7 @@ class ChunkScheduler:
             self._starter.start()
 
     def _second_core(self) -> bool:
-        """Whether a vocoder process may pay: a CPU stage whose model runs on one thread, on a machine
+        """Whether a second process may pay: a CPU stage whose model runs on one thread, on a machine
         with more than one core for this process (it is started once two streams are in flight)."""
         if self.stage.device.type != "cpu" or self.stage.intra_op_threads != 1:
             return False
@@ -409,10 +419,15 @@ class ChunkScheduler:
         self._threads()
         stage = self.stage
         plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
-        mels = int(stage.model.code2wav_bigvgan_model.config.mel_dim)
         with torch.inference_mode():
-            remote = VocoderProcess.start(
-                stage.model_path, 1, stage.chunk_vocoder, mels, plan.vocoder_frames(), VOCODER_BATCH
+            remote = Code2WavProcess.start(
+                stage.model_path,
+                1,
+                stage.chunk_vocoder,
+                stage.flow,
+                plan.vocoder_frames(),
+                VOCODER_BATCH,
+                self.max_batch,
             )
         if remote is None:
             return
@@ -472,6 +487,8 @@ class ChunkScheduler:
                             return
                         job, done = item
                         admitted = self._admit(job, done)
+                        if admitted is not None and self._remote is not None:
+                            admitted.elsewhere = self._renders_there()
                         if admitted is not None:
                             key = id(job)
                             streams[key], arrival[key] = (admitted, done), order
@@ -512,12 +529,21 @@ class ChunkScheduler:
                 del streams[key]
                 self._hand_on(render.deadline(), (render, done, None, None))
                 continue
-            if works and (work.window.key != works[0][1].window.key or not self._batches(work)):
+            if works and not self._joins(works[0], (key, work), streams):
                 continue  # prepared again next time: preparing has no effect on the stream
             works.append((key, work))
             if len(works) == self.max_batch:
                 break
         if not works:
+            return
+        if streams[works[0][0]][0].elsewhere and self._remote is not None:
+            for key, work in works:  # to the second process, through the vocoder thread's queue
+                render, done = streams[key]
+                deadline = render.deadline()
+                render.advance(work)
+                if work.last:
+                    del streams[key]
+                self._to_vocoder(deadline, (render, done, work, None))
             return
         self.batch_sizes[len(works)] += 1
         try:
@@ -543,6 +569,24 @@ class ChunkScheduler:
             if not self._hand_on(deadline, (render, done, work, mel)) and render.ended:
                 streams.pop(key, None)
 
+    def _renders_there(self) -> bool:
+        """Whether a stream admitted now is rendered by the second process: every other one (docs/speech.md,
+        "The second process")."""
+        self._admitted += 1
+        return self._admitted % 2 == 0
+
+    def _joins(
+        self, first: tuple[int, ChunkWork], other: tuple[int, ChunkWork], streams: dict[int, Stream]
+    ) -> bool:
+        """Whether ``other`` (a stream's key and chunk) may share a DiT batch with ``first``, the most
+        urgent chunk: the same window key, the same process, and in this one a length that batches here
+        (the second process checks its own)."""
+        (first_key, first_work), (key, work) = first, other
+        elsewhere = streams[first_key][0].elsewhere
+        if work.window.key != first_work.window.key or streams[key][0].elsewhere != elsewhere:
+            return False
+        return (elsewhere and self._remote is not None) or self._batches(work)
+
     def _hand_on(self, deadline: float, item: VocoderItem) -> bool:
         """Give a chunk past the DiT to the vocoder thread (True), or, before there is a vocoder
         process, vocode and send it here (False)."""
@@ -560,11 +604,12 @@ class ChunkScheduler:
         self._vocoder_queue.put((deadline, self._queued, item, turn))
 
     def _vocode_here(self) -> bool:
-        """With no chunk to integrate while the vocoder process is busy, vocode the most urgent chunk
-        waiting for it on this thread (docs/speech.md, "The vocoder on the second core"): this process's
-        BigVGAN gives the process's bits (checked when the process started). It is the most urgent of its
+        """With no chunk to integrate while the second process is busy, render the most urgent chunk
+        waiting for it on this thread (docs/speech.md, "The second process"): its mel (or, for a chunk
+        the process was to render end to end, its DiT window and then its mel) by this process's models,
+        which give the process's bits (checked when the process started). It is the most urgent of its
         stream still queued (a stream's chunks have rising deadlines), and it is sent in its turn, after
-        any earlier chunk of its stream at the process. True when it vocoded one."""
+        any earlier chunk of its stream at the process. True when it rendered one."""
         if not self._handing_over or not self._vocoder_busy:
             return False
         try:
@@ -580,9 +625,9 @@ class ChunkScheduler:
         return True
 
     def _vocode(self) -> None:
-        """The vocoder thread: the chunks' samples from the vocoder process, sent, the most urgent first
-        (with it, up to VOCODER_BATCH - 1 other waiting chunks of its length where the process batches
-        that length). If the process fails, the chunks are vocoded here from then on."""
+        """The vocoder thread: the chunks' samples from the second process, sent, the most urgent first,
+        each with the other waiting chunks it can share a call with (:meth:`_companions`). If the process
+        fails, the chunks are rendered here from then on."""
         self._threads()
         with torch.inference_mode():
             while True:
@@ -591,37 +636,43 @@ class ChunkScheduler:
                     return
                 self._vocoder_busy = True
                 try:
-                    self._send_batch([entry, *self._same_length(entry)], self._remote)
+                    self._send_batch([entry, *self._companions(entry)], self._remote)
                 finally:
                     self._vocoder_busy = False
 
-    def _same_length(self, first: VocoderEntry) -> list[VocoderEntry]:
-        """The most urgent other chunks waiting in the vocoder queue whose vocoder input has ``first``'s
-        length, where the vocoder process batches that length (taken out of the queue). A chunk whose
-        stream has an earlier item left in the queue stays there too: it could not be sent before that
-        one, which nothing would vocode while this thread waits."""
+    def _companions(self, first: VocoderEntry) -> list[VocoderEntry]:
+        """The most urgent other chunks waiting in the vocoder queue that share ``first``'s call to the
+        second process (taken out of the queue): for a chunk it renders end to end, those with its DiT
+        window's key (up to ``max_num_seqs`` in all); for a mel to vocode, those of its length where the
+        process batches that length (up to VOCODER_BATCH). A chunk whose stream has an earlier item left
+        in the queue stays there too: it could not be sent before that one, which nothing would render
+        while this thread waits."""
         remote, item = self._remote, first[2]
-        if remote is None or item is None or item[2] is None or item[3] is None:
+        if remote is None or item is None or item[2] is None:
             return []
-        frames = _vocoder_frames(item)
-        if frames not in remote.batch_frames:
+        window_key = item[2].window.key
+        there = item[3] is None  # DiT and vocoder there
+        if not there and _vocoder_frames(item) not in remote.batch_frames:
             return []
+        limit = self.max_batch if there else VOCODER_BATCH
+
+        def joins(other: VocoderItem) -> bool:
+            if other[2] is None or (other[3] is None) != there:
+                return False
+            if there:
+                return other[2].window.key == window_key
+            return _vocoder_frames(other) == _vocoder_frames(item)
+
         taken: list[VocoderEntry] = []
         kept: list[VocoderEntry] = []
         waiting: set[int] = set()  # streams with an item kept in the queue
-        while len(taken) < VOCODER_BATCH - 1:
+        while len(taken) < limit - 1:
             try:
                 entry = self._vocoder_queue.get_nowait()
             except queue.Empty:
                 break
             other = entry[2]
-            if (
-                other is None
-                or other[2] is None
-                or other[3] is None
-                or id(other[0]) in waiting
-                or _vocoder_frames(other) != frames
-            ):
+            if other is None or id(other[0]) in waiting or not joins(other):
                 kept.append(entry)
                 if other is not None:
                     waiting.add(id(other[0]))
@@ -631,39 +682,72 @@ class ChunkScheduler:
             self._vocoder_queue.put(entry)  # its place kept: the same deadline and order
         return taken
 
-    def _send_batch(self, entries: list[VocoderEntry], remote: VocoderProcess | None) -> None:
-        """Vocode the chunks of ``entries`` (several: in one call to ``remote``) and send each in its
+    def _send_batch(self, entries: list[VocoderEntry], remote: Code2WavProcess | None) -> None:
+        """Render the chunks of ``entries`` (several: in one call to ``remote``) and send each in its
         stream's turn, in the entries' order (a stream's chunks have rising deadlines)."""
-        samples = self._vocoded_together(entries, remote) if remote is not None and len(entries) > 1 else None
+        samples = None
+        if remote is not None:
+            there = _there(entries[0])
+            if there:
+                samples = self._rendered_there(entries, remote)
+            elif len(entries) > 1:
+                samples = self._vocoded_together(entries, remote)
         for index, (_, _, item, turn) in enumerate(entries):
             assert item is not None
             self._send(item, self._remote, turn, None if samples is None else samples[index])
 
-    def _vocoded_together(
-        self, entries: list[VocoderEntry], remote: VocoderProcess
-    ) -> list[torch.Tensor] | None:
-        """The chunks' samples from one call to the vocoder process, or None if it failed (then each is
-        vocoded in this process, from now on)."""
+    def _chunks_of(
+        self, entries: list[VocoderEntry]
+    ) -> list[tuple[StreamRender, ChunkWork, torch.Tensor | None]]:
         chunks = []
         for _, _, item, _ in entries:
-            assert item is not None and item[2] is not None and item[3] is not None
+            assert item is not None and item[2] is not None
             chunks.append((item[0], item[2], item[3]))
+        return chunks
+
+    def _rendered_there(
+        self, entries: list[VocoderEntry], remote: Code2WavProcess
+    ) -> list[torch.Tensor] | None:
+        """The chunks' samples rendered end to end by the second process in one call, or None if it failed
+        (then each is rendered in this process, from now on)."""
+        chunks = self._chunks_of(entries)
+        spans = [render.vocoder_span(work)[:2] for render, work, _ in chunks]
         try:
-            waves = remote.render(
-                torch.cat([render.vocoder_input(work, mel) for render, work, mel in chunks])
-            )
+            waves = remote.render_chunks([work.window for _, work, _ in chunks], spans)
         except (RuntimeError, OSError, EOFError):
-            self._remote = None
-            remote.close()
+            self._drop(remote)
+            return None
+        self.rendered_there += len(chunks)
+        return [
+            render.chunk_samples(work, wave) for (render, work, _), wave in zip(chunks, waves, strict=True)
+        ]
+
+    def _vocoded_together(
+        self, entries: list[VocoderEntry], remote: Code2WavProcess
+    ) -> list[torch.Tensor] | None:
+        """The chunks' samples from one call to the second process, or None if it failed (then each is
+        vocoded in this process, from now on)."""
+        chunks = self._chunks_of(entries)
+        try:
+            mels = [render.vocoder_input(work, mel) for render, work, mel in chunks if mel is not None]
+            waves = remote.render(torch.cat(mels))
+        except (RuntimeError, OSError, EOFError):
+            self._drop(remote)
             return None
         return [
             render.chunk_samples(work, wave) for (render, work, _), wave in zip(chunks, waves, strict=True)
         ]
 
+    def _drop(self, remote: Code2WavProcess) -> None:
+        """The second process failed: everything is rendered in this process from now on."""
+        if self._remote is remote:
+            self._remote = None
+        remote.close()
+
     def _send(
         self,
         item: VocoderItem,
-        remote: VocoderProcess | None,
+        remote: Code2WavProcess | None,
         turn: int | None = None,
         samples: torch.Tensor | None = None,
     ) -> None:
@@ -680,14 +764,20 @@ class ChunkScheduler:
                     self._turns.notify_all()
 
     def _vocode_and_send(
-        self, item: VocoderItem, remote: VocoderProcess | None, turn: int | None, samples: torch.Tensor | None
+        self,
+        item: VocoderItem,
+        remote: Code2WavProcess | None,
+        turn: int | None,
+        samples: torch.Tensor | None,
     ) -> None:
         render, done, work, mel = item
         if render.ended:
             return
         try:
             render.check()  # a stream cancelled since sends nothing more
-            if samples is None and work is not None and mel is not None:
+            if samples is None and work is not None:
+                if mel is None:  # meant for the second process, rendered here (it failed, or was busy)
+                    mel = self.stage.flow.integrate([work.window], render.check)
                 samples = self._vocoded(render, work, mel, remote)
             if turn is not None:
                 with self._turns:  # the stream's earlier items first (vocoded by the other thread)
@@ -708,14 +798,13 @@ class ChunkScheduler:
             self._end(render, done, None)
 
     def _vocoded(
-        self, render: StreamRender, work: ChunkWork, mel: torch.Tensor, remote: VocoderProcess | None
+        self, render: StreamRender, work: ChunkWork, mel: torch.Tensor, remote: Code2WavProcess | None
     ) -> torch.Tensor:
         if remote is not None:
             try:
                 return render.vocode(work, mel, remote.render)
             except (RuntimeError, OSError, EOFError):  # the process failed: vocode here from now on
-                self._remote = None
-                remote.close()
+                self._drop(remote)
         return render.vocode(work, mel)
 
     def _batches(self, work: ChunkWork) -> bool:

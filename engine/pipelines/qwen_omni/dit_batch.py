@@ -273,15 +273,12 @@ class BatchedFlow:
         return solver.integrate(times)[-1].permute(0, 2, 1)
 
 
-def batch_holds(flow: BatchedFlow, frames: int, cfg: bool, max_batch: int, seed: int = 0) -> bool:
-    """Whether, on the running thread's kernels, a batch of up to ``max_batch`` windows of ``frames`` mel
-    frames gives each window the bits of one DiT evaluation alone, at every position, among random others.
-
-    Random windows (codes, noise, speaker, reference, time; every other one padded from a random frame);
-    each batch size from 2 up is tried with the windows rotated, so every window sits at several
-    positions."""
+def random_windows(
+    flow: BatchedFlow, frames: int, cfg: bool, count: int, generator: torch.Generator
+) -> list[DiTWindow]:
+    """``count`` random windows of ``frames`` mel frames (codes, noise, speaker, reference; every other
+    one padded from a random frame), two ODE time points each: what the checks render."""
     dit = flow.dit
-    generator = torch.Generator().manual_seed(seed)
     config = dit.config
     parameter = next(dit.parameters())
     device, dtype = parameter.device, parameter.dtype
@@ -293,7 +290,7 @@ def batch_holds(flow: BatchedFlow, frames: int, cfg: bool, max_batch: int, seed:
         return torch.randn(shape, generator=generator).to(device, dtype)
 
     windows = []
-    for index in range(max_batch):
+    for index in range(count):
         codes = torch.randint(0, int(config.num_embeds), (1, codes_per_window), generator=generator).to(
             device
         )
@@ -304,7 +301,19 @@ def batch_holds(flow: BatchedFlow, frames: int, cfg: bool, max_batch: int, seed:
         # Every other window ends in padding (a last chunk's), from a random frame on.
         real = None if index % 2 == 0 else int(torch.randint(1, noise.shape[1] + 1, (), generator=generator))
         windows.append(flow.window(codes, speaker, voice, noise, guidance, 2, real))
-    time = torch.rand((), generator=generator).to(device, dtype)
+    return windows
+
+
+def batch_holds(flow: BatchedFlow, frames: int, cfg: bool, max_batch: int, seed: int = 0) -> bool:
+    """Whether, on the running thread's kernels, a batch of up to ``max_batch`` windows of ``frames`` mel
+    frames gives each window the bits of one DiT evaluation alone, at every position, among random others.
+
+    Random windows (:func:`random_windows`); each batch size from 2 up is tried with the windows rotated,
+    so every window sits at several positions."""
+    generator = torch.Generator().manual_seed(seed)
+    windows = random_windows(flow, frames, cfg, max_batch, generator)
+    parameter = next(flow.dit.parameters())
+    time = torch.rand((), generator=generator).to(parameter.device, parameter.dtype)
     alone = [flow.velocity([w])(time, w.start) for w in windows]
     for size in range(2, max_batch + 1):
         order = [(size + i) % max_batch for i in range(size)]
