@@ -23,7 +23,7 @@ from engine.engine import OmniEngine, build_engine
 from engine.events import AudioDelta, DiffusionStep, StageFinished, StageStatus
 from engine.modality import OutputAccumulator, OutputModality
 from engine.models import describe_model
-from engine.pipelines.qwen_omni.code2wav_streams import LATER_CHUNKS, ChunkPlan
+from engine.pipelines.qwen_omni.code2wav_streams import LATER_CHUNKS, ChunkPlan, ChunkScheduler
 from engine.stages.base import StageJob
 from engine.streaming import CHUNK_FEED_KEY, ChunkFeed, chunking_problems
 from engine.tempo import stretch
@@ -363,10 +363,13 @@ def test_a_stage_that_cannot_render_chunks_is_refused_at_start(glm_engine):
 # -- many listeners: the chunk scheduler (docs/speech.md, "Many listeners") ----------------------------
 
 
-def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming):
+def test_a_new_stream_is_heard_before_the_playing_one_goes_on(streaming, monkeypatch):
     """Two streams handed to code2wav one right after the other, every code known: the first one's first
     chunk, then the newcomer's first chunk (its listener has nothing yet; the first one's has a chunk to
-    play), then turns by whose listener runs out first; each stream's samples are its alone render's."""
+    play), then turns by whose listener runs out first; each stream's samples are its alone render's. Both
+    are rendered in this process: a stream the second process renders end to end (where an earlier test
+    started it) comes in parallel, in the order its chunks finish (tests/test_dit_batch.py)."""
+    monkeypatch.setattr(ChunkScheduler, "_renders_there", lambda self: False)
     runner = streaming.runners[2]
     codes = {seed: talker_codes(streaming, seed)[1] for seed in (2, 5)}
     assert all(c.shape[1] > 2 * CHUNK for c in codes.values())  # two chunks or more each
