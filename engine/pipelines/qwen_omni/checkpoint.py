@@ -58,6 +58,16 @@ def part_state_dict(path: Path, prefix: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_token2wav(path: Path) -> Any:
+    """token2wav (the DiT and BigVGAN) from the checkpoint's ``token2wav`` weights, in float32 as the
+    library runs it, on the CPU."""
+    from transformers import Qwen2_5OmniToken2WavModel
+
+    model = Qwen2_5OmniToken2WavModel._from_config(omni_config(path).token2wav_config)
+    model.load_state_dict(part_state_dict(path, "token2wav."))
+    return model.float().eval()
+
+
 def load_speakers(path: Path) -> dict[str, dict[str, Any]]:
     """``spk_dict.pt``: per voice ``cond`` (speaker embedding), ``ref_mel`` (reference mel) and
     ``bos_token`` (the thinker id the talker's text starts with)."""

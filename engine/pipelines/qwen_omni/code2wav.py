@@ -24,7 +24,7 @@ import torch
 
 from engine.events import AudioDelta, DiffusionStep
 from engine.pipelines.qwen_omni.bigvgan_cpu import Vocoder, chunk_vocoder
-from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, omni_config, part_state_dict
+from engine.pipelines.qwen_omni.checkpoint import SAMPLE_RATE, load_speakers, load_token2wav
 from engine.pipelines.qwen_omni.code2wav_streams import ChunkScheduler, StreamRender, speed_of
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow
 from engine.request import RequestError
@@ -45,12 +45,7 @@ class Code2WavStage(StageRunner):
     chunk_vocoder: Vocoder
 
     def load(self) -> None:
-        from transformers import Qwen2_5OmniToken2WavModel
-
-        config = omni_config(self.model_path).token2wav_config
-        model = Qwen2_5OmniToken2WavModel._from_config(config)
-        model.load_state_dict(part_state_dict(self.model_path, "token2wav."))
-        self.model = model.float().to(self.device).eval()  # token2wav runs in float32 (as in the library)
+        self.model = load_token2wav(self.model_path).to(self.device)  # float32, as in the library
         self.flow = BatchedFlow(self.model.code2wav_dit_model)
         self.chunk_vocoder = chunk_vocoder(self.model.code2wav_bigvgan_model)  # streamed chunks' BigVGAN
         self.speakers = load_speakers(self.model_path)

@@ -44,6 +44,7 @@ import torch
 
 from engine.pipelines.qwen_omni.bigvgan_cpu import Vocoder, chunk_vocoder
 from engine.pipelines.qwen_omni.bigvgan_cpu import batch_holds as vocoder_batch_holds
+from engine.pipelines.qwen_omni.checkpoint import load_token2wav
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow, random_windows
 from engine.pipelines.qwen_omni.dit_batch import batch_holds as dit_batch_holds
 
@@ -67,19 +68,6 @@ def _read(stream: IO[bytes]) -> Any:
     if len(data) < size:
         raise EOFError("the code2wav process closed its pipe")
     return pickle.loads(data)  # noqa: S301  # our own child's replies
-
-
-def load_token2wav(model_path: Path) -> Any:
-    """token2wav (DiT and BigVGAN) from the checkpoint's ``token2wav`` weights, in float32 (as code2wav
-    loads it)."""
-    from transformers import Qwen2_5OmniToken2WavModel
-
-    from engine.pipelines.qwen_omni.checkpoint import omni_config, part_state_dict
-
-    config = omni_config(model_path).token2wav_config
-    model = Qwen2_5OmniToken2WavModel._from_config(config)
-    model.load_state_dict(part_state_dict(model_path, "token2wav."))
-    return model.float().eval()
 
 
 def load_vocoder(model_path: Path) -> torch.nn.Module:

@@ -686,12 +686,10 @@ class ChunkScheduler:
         """Render the chunks of ``entries`` (several: in one call to ``remote``) and send each in its
         stream's turn, in the entries' order (a stream's chunks have rising deadlines)."""
         samples = None
-        if remote is not None:
-            there = _there(entries[0])
-            if there:
-                samples = self._rendered_there(entries, remote)
-            elif len(entries) > 1:
-                samples = self._vocoded_together(entries, remote)
+        if remote is not None and _there(entries[0]):
+            samples = self._rendered_there(entries, remote)
+        elif remote is not None and len(entries) > 1:
+            samples = self._vocoded_together(entries, remote)
         for index, (_, _, item, turn) in enumerate(entries):
             assert item is not None
             self._send(item, self._remote, turn, None if samples is None else samples[index])
@@ -728,8 +726,8 @@ class ChunkScheduler:
         """The chunks' samples from one call to the second process, or None if it failed (then each is
         vocoded in this process, from now on)."""
         chunks = self._chunks_of(entries)
+        mels = [render.vocoder_input(work, mel) for render, work, mel in chunks if mel is not None]
         try:
-            mels = [render.vocoder_input(work, mel) for render, work, mel in chunks if mel is not None]
             waves = remote.render(torch.cat(mels))
         except (RuntimeError, OSError, EOFError):
             self._drop(remote)
