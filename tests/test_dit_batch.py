@@ -17,7 +17,7 @@ import torch
 from engine import GenerationParams, GenerationRequest
 from engine.engine import OmniEngine, build_engine
 from engine.modality import OutputAccumulator, OutputModality
-from engine.pipelines.qwen_omni import code2wav_streams
+from engine.pipelines.qwen_omni import code2wav_streams, dit_batch
 from engine.pipelines.qwen_omni.code2wav_process import Code2WavProcess
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, batch_holds
 from engine.stages.base import StageJob
@@ -123,6 +123,24 @@ def test_the_check_refuses_a_batch_that_changes_a_window(engine, one_thread, mon
 
     monkeypatch.setattr(flow, "forward", drifting)
     assert not batch_holds(flow, 48, True, 4)
+
+
+def test_kept_time_points_give_later_windows_the_bits_of_a_fresh_flow(engine, one_thread, monkeypatch):
+    """The modulations made at a time point are kept for the next windows on the same grid (and dropped,
+    oldest first, past TIME_ROWS_KEPT): a window rendered after others gets the mel a fresh flow gives it."""
+    flow, windows = _windows(engine, 3, 36, steps=4)
+    fresh = [BatchedFlow(flow.dit).integrate([w]) for w in windows]
+    flow = BatchedFlow(flow.dit)
+    assert torch.equal(flow.integrate(windows[:1]), fresh[0])
+    kept = len(flow._times)
+    assert kept >= 4  # the grid's points and the RK4 stages between them
+    assert torch.equal(flow.integrate(windows[1:2]), fresh[1])  # every time point kept: made once
+    assert len(flow._times) == kept
+    monkeypatch.setattr(dit_batch, "TIME_ROWS_KEPT", 3)
+    bounded = BatchedFlow(flow.dit)
+    for window, mel in zip(windows, fresh, strict=True):
+        assert torch.equal(bounded.integrate([window]), mel)
+        assert len(bounded._times) <= 3
 
 
 def test_batches_of_one_length_and_other_sizes_each_get_their_own_masks(engine, one_thread):

@@ -10,9 +10,10 @@ the same modules op for op, but:
 
 - what depends on the window only (:class:`DiTWindow`: ECAPA, code embeddings, speaker rows) is computed
   once per chunk, alone;
-- what depends on the time only (time embedding, the layers' shift/scale/gate) is computed once per
-  evaluation on the two rows (one without guidance) a window alone uses, and its rows are handed to every
-  window;
+- what depends on the time only (time embedding, the layers' shift/scale/gate) is computed on the two
+  rows (one without guidance) a window alone uses, once per ODE time point (the time grid is the same for
+  every window, so it is kept: :meth:`BatchedFlow._time_rows`), and broadcast to every window's rows, as
+  are the rotary tables (every window's frames count from 0);
 - the rest (the input projection, attention, the MLPs: products over ``rows x frames``, norms,
   element-wise) runs once for all windows of one length. Those products see another row count in a batch,
   so :func:`batch_holds` checks on the running machine (its thread, its kernels) that a batch gives every
@@ -33,12 +34,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
 ADDITIVE_MASKS_KEPT = 16  # batch shapes whose attention masks are kept made
+TIME_ROWS_KEPT = 256  # ODE time points whose modulations are kept made (a 10-step grid has 40)
 
 
 def time_points(steps: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -46,6 +48,18 @@ def time_points(steps: int, dtype: torch.dtype, device: torch.device) -> torch.T
     times = torch.linspace(0, 1, steps, device=device, dtype=dtype)
     times += SWAY_COEFFICIENT * (torch.cos(math.pi / 2 * times) - 1 + times)
     return times
+
+
+class Modulation(NamedTuple):
+    """One DiT layer's modulation at a time point (``BatchedFlow._time_rows``): its norms' scales (as
+    ``1 + scale``) and shifts, and its gates."""
+
+    scale_msa: torch.Tensor
+    shift_msa: torch.Tensor
+    gate_msa: torch.Tensor
+    scale_mlp: torch.Tensor
+    shift_mlp: torch.Tensor
+    gate_mlp: torch.Tensor
 
 
 @dataclass
@@ -82,11 +96,13 @@ class BatchedFlow:
 
         self.dit = dit
         self._solver = RungeKutta4ODESolver
-        self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rotary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by frames
         self._masks: dict[int, list[torch.Tensor]] = {}
         # Additive masks (0 where a frame attends, -inf where not), by (frames, each window's padding,
         # rows per window).
         self._additive: dict[tuple[int, tuple[int | None, ...], int], list[torch.Tensor]] = {}
+        # The modulations at an ODE time point, by (the time's value, rows per window).
+        self._times: dict[tuple[float, int], tuple[list[Modulation], tuple[torch.Tensor, torch.Tensor]]] = {}
 
     # -- per window ---------------------------------------------------------------------------------------
     def voice(self, reference: torch.Tensor, cfg: bool) -> torch.Tensor:
@@ -122,12 +138,13 @@ class BatchedFlow:
         return DiTWindow(start, condition, float(guidance), int(steps), cfg, real if padded else None)
 
     # -- per length / per time --------------------------------------------------------------------------
-    def _rotary_for(self, frames: int, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (frames, rows)
-        if key not in self._rotary:
-            positions = torch.arange(frames, device=like.device)[None, :].repeat(rows, 1)
-            self._rotary[key] = self.dit.rotary_embed(like[:rows], positions)
-        return self._rotary[key]
+    def _rotary_for(self, frames: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables of ``frames`` frames, (1, frames, dim) each: a window's frames count from 0,
+        so one row serves (broadcast) every row of a batch."""
+        if frames not in self._rotary:
+            positions = torch.arange(frames, device=like.device)[None, :]
+            self._rotary[frames] = self.dit.rotary_embed(like[:1], positions)
+        return self._rotary[frames]
 
     def _masks_for(self, frames: int, like: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's block mask (1, 1, frames, frames), the same for every head: who attends to whom
@@ -178,18 +195,33 @@ class BatchedFlow:
 
     def _time_rows(
         self, time: torch.Tensor, per_window: int
-    ) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
-        """The layers' and the final norm's modulations, from the time embedding on ``per_window`` rows (as
-        a window alone)."""
+    ) -> tuple[list[Modulation], tuple[torch.Tensor, torch.Tensor]]:
+        """The layers' and the final norm's modulations at ``time``, from the time embedding on
+        ``per_window`` rows (as a window alone), each (per_window, 1, 1, width) to broadcast over a batch
+        grouped as (per_window, windows, frames, width); scales as ``1 + scale``. Made once per time point
+        (the same for every window and batch of a time grid) and kept."""
+        key = (float(time), per_window)
+        kept = self._times.get(key)
+        if kept is not None:
+            return kept
         dit = self.dit
         embedding = dit.time_embed(time.repeat(per_window))
+
+        def grouped(rows: torch.Tensor) -> torch.Tensor:
+            return rows[:, None, None, :]
+
         layers = []
         for layer in dit.transformer_blocks:
             norm = layer.attn_norm
-            layers.append(list(torch.chunk(norm.linear(norm.silu(embedding)), 6, dim=1)))
+            chunks = torch.chunk(norm.linear(norm.silu(embedding)), 6, dim=1)
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (grouped(c) for c in chunks)
+            layers.append(Modulation(1 + scale_msa, shift_msa, gate_msa, 1 + scale_mlp, shift_mlp, gate_mlp))
         final = dit.norm_out
         scale, shift = torch.chunk(final.linear(final.silu(embedding)), 2, dim=1)
-        return layers, [scale, shift]
+        if len(self._times) >= TIME_ROWS_KEPT:
+            self._times.pop(next(iter(self._times)))  # the oldest time point
+        self._times[key] = layers, (1 + grouped(scale), grouped(shift))
+        return self._times[key]
 
     # -- the flow -----------------------------------------------------------------------------------------
     def forward(
@@ -207,27 +239,34 @@ class BatchedFlow:
         dit = self.dit
         windows, frames = int(state.shape[0]), int(state.shape[1])
         per_window = 2 if cfg else 1
-        # Row r of the batch is row r // windows of a window alone (its conditioned or unconditioned row).
-        alone_row = torch.arange(per_window, device=state.device).repeat_interleave(windows)
+        rows = per_window * windows
+        # Row r of the batch is row r // windows of a window alone (its conditioned or unconditioned row):
+        # grouped as (per_window, windows, frames, width), a window alone's modulation rows broadcast over
+        # the windows, element by element the products and sums a window alone computes.
         layers, (scale, shift) = self._time_rows(time, per_window)
         x = torch.cat([state, state], dim=0) if cfg else state
         hidden = dit.input_embed.proj(torch.cat((x, condition), dim=-1))
-        cos, sin = self._rotary_for(frames, per_window, hidden)
-        position = (cos[alone_row], sin[alone_row])
+        grouped = (per_window, windows, frames, int(hidden.shape[-1]))
+        position = self._rotary_for(frames, hidden)  # the same for every row (frames count from 0)
         masks = self._window_masks(frames, real or [None] * windows, per_window, hidden)
-        for layer, mods, mask in zip(dit.transformer_blocks, layers, masks, strict=True):
-            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m[alone_row] for m in mods)
-            norm = layer.attn_norm.norm(hidden) * (1 + scale_msa[:, None]) + shift_msa[:, None]
+
+        def modulated(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+            return (x.view(grouped) * scale + shift).view(rows, frames, -1)
+
+        def gated(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return (gate * x.view(grouped)).view(rows, frames, -1)
+
+        for layer, mod, mask in zip(dit.transformer_blocks, layers, masks, strict=True):
+            norm = modulated(layer.attn_norm.norm(hidden), mod.scale_msa, mod.shift_msa)
             attention = layer.attn(
                 hidden_states=norm,
                 position_embeddings=position,
                 attention_mask=mask,
             )
-            hidden = hidden + gate_msa.unsqueeze(1) * attention
-            norm = layer.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-            hidden = hidden + gate_mlp.unsqueeze(1) * layer.ff(norm)
-        final = dit.norm_out
-        hidden = final.norm(hidden) * (1 + scale[alone_row])[:, None, :] + shift[alone_row][:, None, :]
+            hidden = hidden + gated(mod.gate_msa, attention)
+            norm = modulated(layer.ff_norm(hidden), mod.scale_mlp, mod.shift_mlp)
+            hidden = hidden + gated(mod.gate_mlp, layer.ff(norm))
+        hidden = modulated(dit.norm_out.norm(hidden), scale, shift)
         return dit.proj_out(hidden)
 
     def velocity(
