@@ -272,6 +272,40 @@ def test_where_the_check_fails_the_chunks_render_alone_with_the_same_samples(eng
     scheduler.batching.clear()  # the next test checks again
 
 
+@pytest.mark.parametrize("holds", [True, False])
+def test_on_one_core_chunks_of_one_length_are_vocoded_together_with_their_alone_samples(
+    engine, monkeypatch, holds
+):
+    """Without a second process (docs/speech.md, "One core") the scheduler's thread vocodes a DiT batch's
+    chunks of one length in one call where its own check holds (the lengths most chunks have, checked while
+    it is idle); where the check fails, one by one. Either way every stream equals its alone samples."""
+    runner = engine.runners[2]
+    _submit_streams(engine, 1)  # the stage's own scheduler exists
+    own = runner._scheduler
+    monkeypatch.setattr(code2wav_streams.ChunkScheduler, "_second_core", lambda self: False)
+    if not holds:
+        monkeypatch.setattr(code2wav_streams, "vocoder_batch_holds", lambda *args, **kwargs: False)
+    one_core = code2wav_streams.ChunkScheduler(runner)
+    runner._scheduler = one_core
+    try:
+        lengths = set(code2wav_streams.ChunkPlan.of(runner.model, CHUNK).vocoder_frames())
+        deadline = time.monotonic() + DEADLINE_S
+        while set(one_core.vocoder_batching) != lengths and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(one_core.vocoder_batching) == lengths  # checked before any stream came
+        jobs = _submit_streams(engine, 8)
+        assert one_core._remote is None and one_core.vocoded_here == 0
+        if any(one_core.vocoder_batching.values()):  # this machine's kernels hold: chunks went together
+            assert max(one_core.vocoder_batch_sizes) > 1, one_core.vocoder_batch_sizes
+        else:
+            assert not one_core.vocoder_batch_sizes
+        for job in jobs:
+            assert np.array_equal(job.deliver_outputs()["audio"].numpy(), _alone(engine, job)), job.index
+    finally:
+        runner._scheduler = own
+        one_core.close()
+
+
 def _with_second_process(engine: OmniEngine) -> tuple[code2wav_streams.ChunkScheduler, Code2WavProcess]:
     """The stage's scheduler and its second process, started here if it is not running."""
     _submit_streams(engine, 1)  # the scheduler exists

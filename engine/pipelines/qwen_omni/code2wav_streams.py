@@ -27,6 +27,7 @@ import torch
 from engine.config import ResolvedStage
 from engine.events import DiffusionStep, StageStatus
 from engine.pipelines.qwen_omni.bigvgan_cpu import Vocoder
+from engine.pipelines.qwen_omni.bigvgan_cpu import batch_holds as vocoder_batch_holds
 from engine.pipelines.qwen_omni.code2wav_process import Code2WavProcess
 from engine.pipelines.qwen_omni.dit_batch import BatchedFlow, DiTWindow, batch_holds
 from engine.stages.base import JobDone, StageCancelled, StageJob
@@ -363,7 +364,9 @@ class ChunkScheduler:
     (earliest :meth:`StreamRender.deadline`; arrival order breaks ties), together with the other ready
     chunks whose windows have its length (one DiT batch, :class:`~engine.pipelines.qwen_omni.dit_batch.
     BatchedFlow`, where :func:`batch_holds` finds that a batch gives each window its alone bits on this
-    machine; else one after another), and vocodes and sends them. Where the machine has a second core
+    machine; else one after another), and vocodes and sends them (those of one length in one vocoder call
+    where :func:`~engine.pipelines.qwen_omni.bigvgan_cpu.batch_holds` finds, on this thread, that it gives
+    each its alone samples: docs/speech.md, "One core"). Where the machine has a second core
     for a small model, a second process (:class:`~engine.pipelines.qwen_omni.code2wav_process.
     Code2WavProcess`, checked to give this process's bits) renders the chunks' samples instead, and every
     other stream's chunks end to end (DiT and vocoder), fed by a vocoder thread the most urgent first
@@ -392,6 +395,15 @@ class ChunkScheduler:
         self._remote: Code2WavProcess | None = None  # the second process, once started and checked
         self._handing_over = False  # set once it is: every chunk goes through the vocoder thread from then
         self._closed = threading.Event()
+        # One core (no second process): this thread vocodes a DiT batch's chunks of one length in one call
+        # where vocoder_batch_holds finds, on this thread, that a batch gives each its alone samples; the
+        # lengths most chunks have are checked while the thread is idle (docs/speech.md, "One core").
+        self.vocoder_batching: dict[int, bool] = {}  # chunk frames -> whether a batch holds here
+        self.vocoder_batch_sizes: Counter[int] = Counter()  # in-process vocoder calls, by chunks per call
+        self._vocoder_checks: list[int] = []  # lengths still to check
+        if not self._second_core():
+            plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
+            self._vocoder_checks = list(plan.vocoder_frames())
         name = f"omni-code2wav-{stage.stage_id}"
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._vocoder = threading.Thread(target=self._vocode, name=f"{name}-vocoder", daemon=True)
@@ -474,6 +486,8 @@ class ChunkScheduler:
                                 break
                             if self._vocode_here():  # nothing to integrate: help a busy vocoder
                                 continue
+                            if self._check_vocoder_length():  # idle: one length's batch check
+                                continue
                             try:  # idle: wait for a stream (now and then helping the vocoder)
                                 backlog = not self._vocoder_queue.empty()
                                 item = (
@@ -550,6 +564,7 @@ class ChunkScheduler:
             mels = self.stage.flow.integrate([work.window for _, work in works])
         except Exception:  # rendered alone, so a failure is the stream's own
             mels = None
+        here: list[tuple[int, VocoderItem]] = []  # chunks to vocode and send on this thread
         for row, (key, work) in enumerate(works):
             render, done = streams[key]
             try:
@@ -566,8 +581,56 @@ class ChunkScheduler:
             render.advance(work)
             if work.last:  # nothing more to integrate: the vocoder ends it
                 del streams[key]
-            if not self._hand_on(deadline, (render, done, work, mel)) and render.ended:
+            if self._handing_over:
+                self._to_vocoder(deadline, (render, done, work, mel))
+            else:
+                here.append((key, (render, done, work, mel)))
+        samples = self._vocoded_here_together([item for _, item in here])
+        for index, (key, item) in enumerate(here):
+            self._send(item, None, None, samples.get(index))
+            if item[0].ended:
                 streams.pop(key, None)
+
+    def _vocoded_here_together(self, items: list[VocoderItem]) -> dict[int, torch.Tensor]:
+        """The samples of ``items`` (chunks past the DiT, vocoded on this thread) that share a vocoder call
+        with others of their length (up to VOCODER_BATCH a call) where the check found that it holds here,
+        by their index; the others are vocoded one by one when sent. A failing batch leaves its chunks to
+        be vocoded alone (a failure is then a stream's own)."""
+        lengths: dict[int, list[int]] = {}
+        for index, item in enumerate(items):
+            frames = _vocoder_frames(item)
+            if self.vocoder_batching.get(frames):
+                lengths.setdefault(frames, []).append(index)
+        samples: dict[int, torch.Tensor] = {}
+        for indices in lengths.values():
+            for start in range(0, len(indices), VOCODER_BATCH):
+                group = indices[start : start + VOCODER_BATCH]
+                if len(group) < 2:
+                    continue
+                chunks = []
+                for index in group:
+                    render, _, work, mel = items[index]
+                    assert work is not None and mel is not None
+                    chunks.append((index, render, work, render.vocoder_input(work, mel)))
+                try:
+                    waves = self.stage.chunk_vocoder(torch.cat([chunk[3] for chunk in chunks]))
+                except Exception:  # noqa: BLE001  # each is vocoded alone when sent
+                    continue
+                self.vocoder_batch_sizes[len(group)] += 1
+                for (index, render, work, _), wave in zip(chunks, waves, strict=True):
+                    samples[index] = render.chunk_samples(work, wave)
+        return samples
+
+    def _check_vocoder_length(self) -> bool:
+        """Check one pending chunk length for in-process vocoder batches (one core); True when it ran."""
+        if not self._vocoder_checks:
+            return False
+        frames = self._vocoder_checks.pop(0)
+        mels = int(self.stage.model.code2wav_dit_model.mel_dim)
+        self.vocoder_batching[frames] = vocoder_batch_holds(
+            self.stage.chunk_vocoder, mels, frames, VOCODER_BATCH
+        )
+        return True
 
     def _renders_there(self) -> bool:
         """Whether a stream admitted now is rendered by the second process: every other one (docs/speech.md,
