@@ -127,7 +127,7 @@ def test_the_check_refuses_a_batch_that_changes_a_window(engine, one_thread, mon
 
 def test_kept_time_points_give_later_windows_the_bits_of_a_fresh_flow(engine, one_thread, monkeypatch):
     """The modulations made at a time point are kept for the next windows on the same grid (and dropped,
-    oldest first, past TIME_ROWS_KEPT): a window rendered after others gets the mel a fresh flow gives it."""
+    all at once, past TIME_ROWS_KEPT): a window rendered after others gets the mel a fresh flow gives it."""
     flow, windows = _windows(engine, 3, 36, steps=4)
     fresh = [BatchedFlow(flow.dit).integrate([w]) for w in windows]
     flow = BatchedFlow(flow.dit)

@@ -40,7 +40,7 @@ import torch
 
 SWAY_COEFFICIENT = -1.0  # token2wav's time warp toward the start (its default)
 ADDITIVE_MASKS_KEPT = 16  # batch shapes whose attention masks are kept made
-TIME_ROWS_KEPT = 256  # ODE time points whose modulations are kept made (a 10-step grid has 40)
+TIME_ROWS_KEPT = 256  # ODE time points whose modulations are kept made, at most (a 10-step grid has 40)
 
 
 def time_points(steps: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -219,9 +219,10 @@ class BatchedFlow:
         final = dit.norm_out
         scale, shift = torch.chunk(final.linear(final.silu(embedding)), 2, dim=1)
         if len(self._times) >= TIME_ROWS_KEPT:
-            self._times.pop(next(iter(self._times)))  # the oldest time point
-        self._times[key] = layers, (1 + grouped(scale), grouped(shift))
-        return self._times[key]
+            self._times.clear()  # one call (a vocoder thread may integrate beside the scheduler's)
+        made = layers, (1 + grouped(scale), grouped(shift))
+        self._times[key] = made
+        return made
 
     # -- the flow -----------------------------------------------------------------------------------------
     def forward(
