@@ -292,7 +292,7 @@ def test_on_one_core_chunks_of_one_length_are_vocoded_together_with_their_alone_
         deadline = time.monotonic() + DEADLINE_S
         while set(one_core.vocoder_batching) != lengths and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert set(one_core.vocoder_batching) == lengths  # checked before any stream came
+        assert set(one_core.vocoder_batching) == lengths  # checked while it had no stream
         jobs = _submit_streams(engine, 8)
         assert one_core._remote is None and one_core.vocoded_here == 0
         if any(one_core.vocoder_batching.values()):  # this machine's kernels hold: chunks went together
