@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -351,6 +351,20 @@ def _there(entry: VocoderEntry) -> bool:
     return item is not None and item[2] is not None and item[3] is None
 
 
+def _vocoded_in_one_call(
+    chunks: Sequence[tuple[StreamRender, ChunkWork | None, torch.Tensor | None]], vocoder: Vocoder
+) -> list[torch.Tensor]:
+    """The samples of chunks past the DiT (their stream, the chunk, its window's mel; of one vocoder input
+    length) from one ``vocoder`` call over all of them."""
+    inputs, spans = [], []
+    for render, work, mel in chunks:
+        assert work is not None and mel is not None
+        inputs.append(render.vocoder_input(work, mel))
+        spans.append((render, work))
+    waves = vocoder(torch.cat(inputs))
+    return [render.chunk_samples(work, wave) for (render, work), wave in zip(spans, waves, strict=True)]
+
+
 def _vocoder_frames(item: VocoderItem) -> int:
     """The length (mel frames) of a chunk's vocoder input."""
     render, _, work, mel = item
@@ -400,10 +414,11 @@ class ChunkScheduler:
         # lengths most chunks have are checked while the thread is idle (docs/speech.md, "One core").
         self.vocoder_batching: dict[int, bool] = {}  # chunk frames -> whether a batch holds here
         self.vocoder_batch_sizes: Counter[int] = Counter()  # in-process vocoder calls, by chunks per call
-        self._vocoder_checks: list[int] = []  # lengths still to check
-        if not self._second_core():
-            plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
-            self._vocoder_checks = list(plan.vocoder_frames())
+        # The two chunk lengths most chunks have (ChunkPlan.vocoder_frames), and those still to check here.
+        self._usual_lengths = ChunkPlan.of(
+            stage.model, int(stage.stage.engine_args.chunk_size or 1)
+        ).vocoder_frames()
+        self._vocoder_checks = [] if self._second_core() else list(self._usual_lengths)
         name = f"omni-code2wav-{stage.stage_id}"
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._vocoder = threading.Thread(target=self._vocode, name=f"{name}-vocoder", daemon=True)
@@ -430,14 +445,13 @@ class ChunkScheduler:
         self._remote_wanted = False  # once (a caller may start it before two streams are in flight)
         self._threads()
         stage = self.stage
-        plan = ChunkPlan.of(stage.model, int(stage.stage.engine_args.chunk_size or 1))
         with torch.inference_mode():
             remote = Code2WavProcess.start(
                 stage.model_path,
                 1,
                 stage.chunk_vocoder,
                 stage.flow,
-                plan.vocoder_frames(),
+                self._usual_lengths,
                 VOCODER_BATCH,
                 self.max_batch,
             )
@@ -607,18 +621,13 @@ class ChunkScheduler:
                 group = indices[start : start + VOCODER_BATCH]
                 if len(group) < 2:
                     continue
-                chunks = []
-                for index in group:
-                    render, _, work, mel = items[index]
-                    assert work is not None and mel is not None
-                    chunks.append((index, render, work, render.vocoder_input(work, mel)))
+                chunks = [(items[i][0], items[i][2], items[i][3]) for i in group]
                 try:
-                    waves = self.stage.chunk_vocoder(torch.cat([chunk[3] for chunk in chunks]))
+                    together = _vocoded_in_one_call(chunks, self.stage.chunk_vocoder)
                 except Exception:  # noqa: BLE001  # each is vocoded alone when sent
                     continue
                 self.vocoder_batch_sizes[len(group)] += 1
-                for (index, render, work, _), wave in zip(chunks, waves, strict=True):
-                    samples[index] = render.chunk_samples(work, wave)
+                samples.update(zip(group, together, strict=True))
         return samples
 
     def _check_vocoder_length(self) -> bool:
@@ -650,14 +659,13 @@ class ChunkScheduler:
             return False
         return (elsewhere and self._remote is not None) or self._batches(work)
 
-    def _hand_on(self, deadline: float, item: VocoderItem) -> bool:
-        """Give a chunk past the DiT to the vocoder thread (True), or, before there is a vocoder
-        process, vocode and send it here (False)."""
+    def _hand_on(self, deadline: float, item: VocoderItem) -> None:
+        """Give a stream's end to the vocoder thread (after its chunks there), or, before there is a
+        second process, end it here."""
         if self._handing_over:
             self._to_vocoder(deadline, item)
-            return True
-        self._send(item, None)
-        return False
+        else:
+            self._send(item, None)
 
     def _to_vocoder(self, deadline: float, item: VocoderItem | None) -> None:
         turn = -1
@@ -788,16 +796,11 @@ class ChunkScheduler:
     ) -> list[torch.Tensor] | None:
         """The chunks' samples from one call to the second process, or None if it failed (then each is
         vocoded in this process, from now on)."""
-        chunks = self._chunks_of(entries)
-        mels = [render.vocoder_input(work, mel) for render, work, mel in chunks if mel is not None]
         try:
-            waves = remote.render(torch.cat(mels))
+            return _vocoded_in_one_call(self._chunks_of(entries), remote.render)
         except (RuntimeError, OSError, EOFError):
             self._drop(remote)
             return None
-        return [
-            render.chunk_samples(work, wave) for (render, work, _), wave in zip(chunks, waves, strict=True)
-        ]
 
     def _drop(self, remote: Code2WavProcess) -> None:
         """The second process failed: everything is rendered in this process from now on."""
